@@ -1,0 +1,214 @@
+"""The host-memory tier: slot bookkeeping for ``num_blocks`` host blocks.
+
+``CPUOffloadingManager`` implements ``OffloadingManager`` for medium ``"CPU"``. Exact
+semantics beyond the base contract:
+
+* Slot ids: never-used ids are handed out first, in increasing order; after that freed ids
+  are reused last-freed-first (the free list is a stack).
+* ``lookup`` is ``PENDING`` while a key's store is in flight and ``HIT`` once completed;
+  ``hits`` and ``misses`` count ``HIT`` and ``MISS`` answers (of ``lookup`` and of the keys
+  ``lookup_prefix`` examines).
+* ``prepare_store`` queues one ``removed=True`` event per call listing its evictions in
+  eviction order; ``complete_store`` queues one ``removed=False`` event with the keys that
+  became loadable. ``reset`` queues one ``removed=True`` event with every loadable key.
+  Events are recorded only when ``enable_events`` is true.
+* A policy may decline keys (``CachePolicy.admit``); they are left out of
+  ``keys_to_store`` and stay absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from kvoffload.keys import OffloadKey
+from kvoffload.manager import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    TierStats,
+)
+from kvoffload.policies import BlockStatus, CachePolicy, resolve_policy
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_PENDING = LookupResult.PENDING
+
+
+class CPULoadStoreSpec(LoadStoreSpec):
+    """Host block ids (int64), in key order."""
+
+    medium = "CPU"
+
+    def __init__(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        self.block_ids = np.asarray(block_ids, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"CPULoadStoreSpec({self.block_ids.tolist()})"
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Bookkeeping of ``num_blocks`` host blocks under an eviction policy."""
+
+    medium = "CPU"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        cache_policy: str | type[CachePolicy] = "lru",
+        enable_events: bool = False,
+    ) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.policy: CachePolicy = resolve_policy(cache_policy)(num_blocks)
+        self.enable_events = enable_events
+        self._blocks: dict[OffloadKey, BlockStatus] = {}
+        self._next_unused = 0
+        self._free: list[int] = []
+        self._events: list[OffloadingEvent] = []
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+
+    # -- lookups ---------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        status = self._blocks.get(key)
+        if status is None:
+            self._misses += 1
+            return _MISS
+        if status.ref < 0:
+            return _PENDING
+        self._hits += 1
+        return _HIT
+
+    def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
+        blocks = self._blocks
+        count = 0
+        for key in keys:
+            status = blocks.get(key)
+            if status is None:
+                self._misses += 1
+                break
+            if status.ref < 0:
+                break
+            count += 1
+        self._hits += count
+        return count
+
+    # -- loads -----------------------------------------------------------------------
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
+        blocks = self._blocks
+        statuses = []
+        for key in keys:
+            status = blocks.get(key)
+            if status is None or status.ref < 0:
+                state = "absent" if status is None else "still being stored"
+                raise KeyError(f"cannot load key {key.hex()}: it is {state}, not a HIT")
+            statuses.append(status)
+        for status in statuses:
+            status.ref += 1
+        return CPULoadStoreSpec([status.slot for status in statuses])
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        self.policy.touch(keys)
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        blocks = self._blocks
+        statuses = []
+        pins: dict[OffloadKey, int] = {}
+        for key in keys:
+            status = blocks.get(key)
+            pins[key] = pins.get(key, 0) + 1
+            if status is None or status.ref < pins[key]:
+                raise KeyError(f"cannot complete load of key {key.hex()}: no load was prepared")
+            statuses.append(status)
+        for status in statuses:
+            status.ref -= 1
+
+    # -- stores ----------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        blocks = self._blocks
+        new_keys = [key for key in dict.fromkeys(keys) if key not in blocks]
+        policy = self.policy
+        if not policy.admits_all:
+            new_keys = [key for key in new_keys if policy.admit(key)]
+        free = self._free
+        available = self.num_blocks - self._next_unused + len(free)
+        shortfall = len(new_keys) - available
+        evicted: list[OffloadKey] = []
+        if shortfall > 0:
+            if len(new_keys) > self.num_blocks:
+                return None
+            victims = policy.evict(shortfall, set(keys))
+            if victims is None:
+                return None
+            evicted = victims
+            for key in victims:
+                free.append(blocks.pop(key).slot)
+            self._evictions += len(victims)
+            if self.enable_events:
+                self._events.append(OffloadingEvent(list(victims), self.medium, True))
+        slots = []
+        for key in new_keys:
+            if self._next_unused < self.num_blocks:
+                slot = self._next_unused
+                self._next_unused += 1
+            else:
+                slot = free.pop()
+            status = BlockStatus(slot, -1)
+            blocks[key] = status
+            policy.insert(key, status)
+            slots.append(slot)
+        return PrepareStoreOutput(new_keys, CPULoadStoreSpec(slots), evicted)
+
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        blocks = self._blocks
+        done = []
+        for key in keys:
+            status = blocks.get(key)
+            if status is None or status.ref != -1:
+                continue
+            if success:
+                status.ref = 0
+                done.append(key)
+            else:
+                del blocks[key]
+                self.policy.remove(key)
+                self._free.append(status.slot)
+        if done and self.enable_events:
+            self._events.append(OffloadingEvent(done, self.medium, False))
+
+    # -- housekeeping ----------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset(self) -> None:
+        loadable = [key for key, status in self._blocks.items() if status.ref >= 0]
+        if loadable and self.enable_events:
+            self._events.append(OffloadingEvent(loadable, self.medium, True))
+        self._blocks.clear()
+        self.policy.clear()
+        self._next_unused = 0
+        self._free.clear()
+
+    def stats(self) -> TierStats:
+        statuses = self._blocks.values()
+        return TierStats(
+            medium=self.medium,
+            capacity=self.num_blocks,
+            used=len(self._blocks),
+            in_flight=sum(1 for s in statuses if s.ref < 0),
+            pinned=sum(1 for s in statuses if s.ref > 0),
+            hits=self._hits,
+            misses=self._misses,
+            evictions=self._evictions,
+        )

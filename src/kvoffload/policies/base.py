@@ -1,0 +1,73 @@
+"""The eviction-policy interface used by the tier managers.
+
+A policy orders the resident keys of one tier and decides which to evict; the manager
+owns slots, states and events. The manager tells the policy about every key it inserts
+(``insert``, state ``-1`` while the store is in flight) and every key it drops without
+eviction (``remove``); the policy reads each block's ``ref`` to skip blocks that cannot be
+evicted: in flight (``-1``) or pinned (``> 0``).
+
+``evict(n, protected)`` is all-or-nothing: it returns ``n`` evictable keys not in
+``protected`` (and forgets them), or ``None`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Sequence
+
+from kvoffload.keys import OffloadKey
+
+
+class BlockStatus:
+    """A block's slot in its tier and its state: -1 being written, 0 idle, n>0 pinned."""
+
+    __slots__ = ("slot", "ref")
+
+    def __init__(self, slot: int, ref: int = -1) -> None:
+        self.slot = slot
+        self.ref = ref
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref >= 0
+
+    def __repr__(self) -> str:
+        return f"BlockStatus(slot={self.slot}, ref={self.ref})"
+
+
+class CachePolicy(ABC):
+    """Eviction order of one tier's resident keys."""
+
+    name: str = ""
+    # False for policies whose ``admit`` may decline keys; the manager skips the call
+    # otherwise, keeping the hot path free of it.
+    admits_all: bool = True
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, key: OffloadKey, status: BlockStatus) -> None:
+        """A new resident key (its store is in flight)."""
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Forget a resident key dropped without eviction (a failed store)."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """A use of ``keys``, in request order; keys not resident are allowed."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """Choose and forget ``n`` evictable keys outside ``protected``, or ``None``."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget everything, history included."""
+
+    def admit(self, key: OffloadKey) -> bool:
+        """Whether ``key`` should be stored at all (only asked when ``admits_all`` is false)."""
+        return True

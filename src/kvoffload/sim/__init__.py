@@ -1,0 +1,1 @@
+"""Trace replay and capacity planning: traces, synthetic workloads, replay through a tier."""

@@ -1,0 +1,84 @@
+"""Request traces in the Mooncake JSON Lines format.
+
+One request per line: ``{"timestamp": ms, "input_length": n, "output_length": m,
+"hash_ids": [...]}``. ``hash_ids`` are prefix-chained block ids of ``block_size`` tokens
+(512 in the Mooncake traces); equal ids mean a reusable prefix block. The last block of a
+request is usually partial.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+MOONCAKE_BLOCK_SIZE = 512
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request: arrival (ms), token counts and prefix-block ids."""
+
+    timestamp: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A list of requests whose ``hash_ids`` count blocks of ``block_size`` tokens."""
+
+    requests: list[TraceRequest]
+    block_size: int
+    name: str = ""
+
+    def unique_blocks(self) -> int:
+        return len({h for r in self.requests for h in r.hash_ids})
+
+    def block_references(self) -> int:
+        return sum(len(r.hash_ids) for r in self.requests)
+
+
+class TraceFormatError(ValueError):
+    """A trace line that is not a valid request; the message names the line number."""
+
+
+def parse_request(line: str, lineno: int) -> TraceRequest:
+    """Parse one JSON line; raises ``TraceFormatError`` naming ``lineno``."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"line {lineno}: not JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"line {lineno}: expected an object, got {type(obj).__name__}")
+    fields = {}
+    for name in ("timestamp", "input_length", "output_length"):
+        value = obj.get(name, 0 if name != "input_length" else None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise TraceFormatError(f"line {lineno}: {name} must be a non-negative number, got {value!r}")
+        fields[name] = int(value)
+    hash_ids = obj.get("hash_ids")
+    if not isinstance(hash_ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
+    ):
+        raise TraceFormatError(f"line {lineno}: hash_ids must be a list of non-negative ints, got {hash_ids!r:.80}")
+    return TraceRequest(fields["timestamp"], fields["input_length"], fields["output_length"], tuple(hash_ids))
+
+
+def iter_requests(lines: Iterable[str]) -> Iterator[TraceRequest]:
+    """Parse lines (blank ones skipped), numbering them from 1."""
+    for lineno, line in enumerate(lines, start=1):
+        if line.strip():
+            yield parse_request(line, lineno)
+
+
+def read_trace(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
+    """Read a Mooncake-format JSONL trace whose blocks hold ``block_size`` tokens."""
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    path = Path(path)
+    with path.open(encoding="utf-8") as fh:
+        requests = list(iter_requests(fh))
+    return Trace(requests, block_size, path.stem)
