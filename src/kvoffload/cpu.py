@@ -155,17 +155,17 @@ class CPUOffloadingManager(OffloadingManager):
             self._evictions += len(victims)
             if self.enable_events:
                 self._events.append(OffloadingEvent(list(victims), self.medium, True))
-        slots = []
-        for key in new_keys:
-            if self._next_unused < self.num_blocks:
-                slot = self._next_unused
-                self._next_unused += 1
-            else:
-                slot = free.pop()
-            status = BlockStatus(slot, -1)
-            blocks[key] = status
-            policy.insert(key, status)
-            slots.append(slot)
+        # Never-used slots first, in increasing order; then freed ones, last freed first.
+        fresh = min(len(new_keys), self.num_blocks - self._next_unused)
+        slots = list(range(self._next_unused, self._next_unused + fresh))
+        self._next_unused += fresh
+        reused = len(new_keys) - fresh
+        if reused:
+            slots.extend(reversed(free[-reused:]))
+            del free[-reused:]
+        statuses = [BlockStatus(slot) for slot in slots]
+        blocks.update(zip(new_keys, statuses))
+        policy.insert_many(new_keys, statuses)
         return PrepareStoreOutput(new_keys, CPULoadStoreSpec(slots), evicted)
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:

@@ -14,8 +14,9 @@ else of T2; when the preferred list has nothing evictable it takes from the othe
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 
 from kvoffload.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy
@@ -33,14 +34,19 @@ class ARCPolicy(CachePolicy):
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
 
     def insert(self, key: OffloadKey, status: BlockStatus) -> None:
-        if key in self._b1:
-            del self._b1[key]
-            self._t2[key] = status
-        elif key in self._b2:
-            del self._b2[key]
-            self._t2[key] = status
-        else:
-            self._t1[key] = status
+        self.insert_many((key,), (status,))
+
+    def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
+        b1, b2, t1, t2 = self._b1, self._b2, self._t1, self._t2
+        for key, status in zip(keys, statuses):
+            if key in b1:
+                del b1[key]
+                t2[key] = status
+            elif key in b2:
+                del b2[key]
+                t2[key] = status
+            else:
+                t1[key] = status
 
     def remove(self, key: OffloadKey) -> None:
         if self._t1.pop(key, None) is None:
@@ -68,39 +74,25 @@ class ARCPolicy(CachePolicy):
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        from_t1 = _evictable(self._t1, protected)
-        from_t2 = _evictable(self._t2, protected)
-        size_t1 = len(self._t1)
-        victims: list[tuple[OffloadKey, bool]] = []  # (key, came from T1)
-        t1_done = t2_done = False
-        while len(victims) < n:
-            prefer_t1 = size_t1 > self.target_t1
-            key = None
-            if prefer_t1 or t2_done:
-                key = None if t1_done else next(from_t1, None)
-                t1_done = key is None
-                if key is not None:
-                    size_t1 -= 1
-                    victims.append((key, True))
-                    continue
-            if not t2_done:
-                key = next(from_t2, None)
-                t2_done = key is None
-                if key is not None:
-                    victims.append((key, False))
-                    continue
-            if t1_done and t2_done:
+        t1, t2 = self._t1, self._t2
+        # The paper takes from T1 while |T1| > p; each victim shrinks |T1| by one.
+        excess = len(t1) - self.target_t1
+        from_t1 = _scan(t1, min(n, math.ceil(excess)) if excess > 0 else 0, protected)
+        from_t2 = _scan(t2, n - len(from_t1), protected)
+        if len(from_t1) + len(from_t2) < n:
+            from_t1 = _scan(t1, n - len(from_t2), protected)
+            if len(from_t1) + len(from_t2) < n:
                 return None
-        for key, in_t1 in victims:
-            if in_t1:
-                del self._t1[key]
-                self._b1[key] = None
-            else:
-                del self._t2[key]
-                self._b2[key] = None
-        _trim(self._b1, self.capacity)
-        _trim(self._b2, self.capacity)
-        return [key for key, _ in victims]
+        b1, b2 = self._b1, self._b2
+        for key in from_t1:
+            del t1[key]
+            b1[key] = None
+        for key in from_t2:
+            del t2[key]
+            b2[key] = None
+        _trim(b1, self.capacity)
+        _trim(b2, self.capacity)
+        return from_t1 + from_t2
 
     def clear(self) -> None:
         self.target_t1 = 0.0
@@ -108,12 +100,19 @@ class ARCPolicy(CachePolicy):
             lst.clear()
 
 
-def _evictable(
-    order: OrderedDict[OffloadKey, BlockStatus], protected: Collection[OffloadKey]
-) -> Iterator[OffloadKey]:
+def _scan(
+    order: OrderedDict[OffloadKey, BlockStatus], n: int, protected: Collection[OffloadKey]
+) -> list[OffloadKey]:
+    """Up to ``n`` evictable keys from the LRU end of ``order``."""
+    found: list[OffloadKey] = []
+    if n <= 0:
+        return found
     for key, status in order.items():
         if status.ref == 0 and key not in protected:
-            yield key
+            found.append(key)
+            if len(found) == n:
+                break
+    return found
 
 
 def _trim(ghosts: OrderedDict[OffloadKey, None], bound: int) -> None:

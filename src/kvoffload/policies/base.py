@@ -52,6 +52,11 @@ class CachePolicy(ABC):
     def insert(self, key: OffloadKey, status: BlockStatus) -> None:
         """A new resident key (its store is in flight)."""
 
+    def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
+        """``insert`` for each pair, in order; policies may override it for speed."""
+        for key, status in zip(keys, statuses):
+            self.insert(key, status)
+
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:
         """Forget a resident key dropped without eviction (a failed store)."""

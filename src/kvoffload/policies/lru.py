@@ -24,6 +24,9 @@ class LRUPolicy(CachePolicy):
     def insert(self, key: OffloadKey, status: BlockStatus) -> None:
         self._order[key] = status
 
+    def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
+        self._order.update(zip(keys, statuses))
+
     def remove(self, key: OffloadKey) -> None:
         self._order.pop(key, None)
 
