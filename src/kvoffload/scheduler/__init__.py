@@ -1,0 +1,16 @@
+"""The request lifecycle of offloading: which blocks to load and store each step."""
+
+from kvoffload.scheduler.core import OffloadingScheduler
+from kvoffload.scheduler.events import EVENT_MODES, EventConverter
+from kvoffload.scheduler.types import KVGroup, RequestView, StepPlan, StepRequest, TransferJob
+
+__all__ = [
+    "EVENT_MODES",
+    "EventConverter",
+    "KVGroup",
+    "OffloadingScheduler",
+    "RequestView",
+    "StepPlan",
+    "StepRequest",
+    "TransferJob",
+]

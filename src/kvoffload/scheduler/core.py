@@ -1,0 +1,319 @@
+"""The engine-agnostic offloading scheduler: which blocks to load and store, each step.
+
+Single-threaded and non-blocking: it only does bookkeeping on an ``OffloadingManager`` and
+hands out ``TransferJob``s; the worker side moves the bytes and reports ``(job_id,
+success)`` back through ``complete_jobs``.
+
+Blocks. Each KV-cache group ``g`` has a device block size ``B_g``; an offloaded block spans
+``F = blocks_per_offload_block`` device blocks, ``T_g = B_g * F`` tokens. The engine's
+request hashes are chained hashes of ``hash_block_size``-token blocks; offloaded block
+``j`` of group ``g`` is keyed by the hash that ends at token ``(j + 1) * T_g`` (a chained
+hash names its whole prefix) and the group index. Only whole offloaded blocks are
+offloaded; the trailing partial block never is.
+
+Request lifecycle:
+
+1. ``match(request, num_computed_tokens)``: how many tokens beyond the engine's own cache
+   can be loaded: leading ``HIT``s of every group, whole offloaded blocks, at most all
+   prompt tokens but one (the engine must compute one to sample). ``None`` while a needed
+   key is ``PENDING`` or ``RETRY`` (ask again next step). Touches the request's blocks once.
+2. ``on_allocated(req_id, block_ids, num_external_tokens)``: the engine allocated device
+   blocks; a load of the matched blocks is planned (its keys pinned) for the next step.
+3. ``build_step(scheduled)``: returns the ``StepPlan``: planned loads, and stores of every
+   offloaded block whose tokens are computed once this step has run.
+4. ``complete_jobs(results)``: completes loads (unpin) and stores (loadable, or rolled back).
+5. ``request_finished(req_id)``: ``True`` when the engine must hold the request's device
+   blocks until its jobs complete (listed in the next plan's ``hold_blocks``);
+   ``take_freeable()`` then names the requests whose blocks may be freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvoffload.events.types import KVEvent
+from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
+from kvoffload.manager import LookupResult, OffloadingManager
+from kvoffload.scheduler.events import EventConverter
+from kvoffload.scheduler.types import KVGroup, RequestView, StepPlan, StepRequest, TransferJob
+from kvoffload.transfer.specs import DeviceLoadStoreSpec
+
+
+@dataclass
+class _Job:
+    req_id: str
+    is_store: bool
+    keys: list[OffloadKey]
+
+
+@dataclass
+class _RequestState:
+    request: RequestView
+    block_ids: list[list[int]]
+    stored_blocks: list[int]  # per group: offloaded blocks already stored or skipped
+    jobs: set[int] = field(default_factory=set)
+    touched: bool = False
+    finished: bool = False
+    matched_from: int = 0  # the engine-cached tokens at the last match
+
+
+class OffloadingScheduler:
+    """Plans loads and stores between an engine's device blocks and one offloading tier."""
+
+    def __init__(
+        self,
+        manager: OffloadingManager,
+        groups: Sequence[KVGroup],
+        hash_block_size: int,
+        blocks_per_offload_block: int = 1,
+        kv_events: str = "self_describing",
+        hasher: BlockHasher | None = None,
+    ) -> None:
+        if not groups:
+            raise ValueError("at least one KV-cache group is needed")
+        if isinstance(blocks_per_offload_block, bool) or not isinstance(blocks_per_offload_block, int) or blocks_per_offload_block <= 0:
+            raise ValueError(f"blocks_per_offload_block must be a positive int, got {blocks_per_offload_block!r}")
+        if not isinstance(hash_block_size, int) or hash_block_size <= 0:
+            raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
+        for g, group in enumerate(groups):
+            if group.block_size * blocks_per_offload_block % hash_block_size:
+                raise ValueError(
+                    f"offloaded block of group {g} ({group.block_size} x {blocks_per_offload_block} tokens) "
+                    f"is not a multiple of the hash block size {hash_block_size}"
+                )
+        self.manager = manager
+        self.groups = list(groups)
+        self.factor = blocks_per_offload_block
+        self.hash_block_size = hash_block_size
+        self._tokens = [group.block_size * blocks_per_offload_block for group in groups]
+        self._hasher = hasher or BlockHasher()
+        self._events = EventConverter(groups, blocks_per_offload_block, kv_events)
+        self._wire_events: list[KVEvent] = []
+        self._requests: dict[str, _RequestState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 0
+        self._pending_loads: list[TransferJob] = []
+        self._hold: dict[str, list[int]] = {}
+        self._flush: dict[str, list[int]] = {}
+        self._freeable: set[str] = set()
+
+    # -- matching ----------------------------------------------------------------------
+
+    def match(self, request: RequestView, num_computed_tokens: int) -> int | None:
+        state = self._state(request)
+        state.matched_from = num_computed_tokens
+        hashes = self._hashes(request)
+        if not state.touched:
+            state.touched = True
+            for g in range(len(self.groups)):
+                self.manager.touch(self._keys(hashes, g, 0, self._num_full(hashes, g)))
+        # The engine must compute at least one prompt token itself.
+        limit = request.num_prompt_tokens - 1
+        hit_tokens = limit
+        for g, tokens in enumerate(self._tokens):
+            start = num_computed_tokens // tokens
+            end = min(self._num_full(hashes, g), -(-limit // tokens))
+            hits = start
+            for key in self._keys(hashes, g, start, end):
+                result = self.manager.lookup(key)
+                if result is LookupResult.HIT:
+                    hits += 1
+                    continue
+                if result in (LookupResult.PENDING, LookupResult.RETRY):
+                    return None
+                break
+            hit_tokens = min(hit_tokens, hits * tokens)
+        return max(0, hit_tokens - num_computed_tokens)
+
+    # -- allocation and loads ------------------------------------------------------------
+
+    def on_allocated(self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """Record the request's device blocks (all of them, per group); plan the load of
+        ``num_external_tokens`` matched tokens that follow the engine-cached ones."""
+        state = self._requests.get(req_id)
+        if state is None:
+            raise KeyError(f"unknown request {req_id!r}: call match() first")
+        if len(block_ids) != len(self.groups):
+            raise ValueError(f"expected block ids for {len(self.groups)} groups, got {len(block_ids)}")
+        state.block_ids = [list(ids) for ids in block_ids]
+        if num_external_tokens <= 0:
+            return
+        hashes = self._hashes(state.request)
+        num_computed_tokens = state.matched_from
+        end_tokens = num_computed_tokens + num_external_tokens
+        keys: list[OffloadKey] = []
+        device_ids: list[int] = []
+        sizes: list[int] = []
+        indices: list[int] = []
+        for g, tokens in enumerate(self._tokens):
+            block_size = self.groups[g].block_size
+            first, last = num_computed_tokens // tokens, -(-end_tokens // tokens)
+            keys += self._keys(hashes, g, first, last)
+            first_device = num_computed_tokens // block_size
+            ids = state.block_ids[g][first_device : last * self.factor]
+            device_ids += ids
+            sizes.append(len(ids))
+            indices.append(first_device)
+        host_spec = self.manager.prepare_load(keys)
+        job = self._new_job(req_id, False, keys)
+        self._pending_loads.append(
+            TransferJob(job, req_id, False, host_spec, DeviceLoadStoreSpec(device_ids, sizes, indices))
+        )
+
+    # -- steps and stores ----------------------------------------------------------------
+
+    def build_step(self, scheduled: Iterable[StepRequest], preempted: Iterable[str] = ()) -> StepPlan:
+        plan = StepPlan(loads=self._pending_loads)
+        self._pending_loads = []
+        for step in scheduled:
+            state = self._requests.get(step.req_id)
+            if state is None:
+                continue
+            if step.new_block_ids is not None:
+                if step.replace_block_ids:
+                    state.block_ids = [list(ids) for ids in step.new_block_ids]
+                else:
+                    for ids, new in zip(state.block_ids, step.new_block_ids):
+                        ids.extend(new)
+            job = self._plan_store(step.req_id, state, step.num_computed_tokens)
+            if job is not None:
+                plan.stores.append(job)
+        for req_id in preempted:
+            state = self._requests.get(req_id)
+            if state is not None and state.jobs:
+                self._flush[req_id] = sorted(state.jobs)
+        plan.hold_blocks, self._hold = self._hold, {}
+        plan.flush, self._flush = self._flush, {}
+        return plan
+
+    def _plan_store(self, req_id: str, state: _RequestState, num_computed_tokens: int) -> TransferJob | None:
+        hashes = self._hashes(state.request)
+        tokens_ids = state.request.all_token_ids
+        candidates: list[tuple[int, int, OffloadKey]] = []  # (group, offloaded block, key)
+        for g, tokens in enumerate(self._tokens):
+            start = state.stored_blocks[g]
+            end = min(num_computed_tokens // tokens, self._num_full(hashes, g), len(state.block_ids[g]) // self.factor)
+            if end <= start:
+                continue
+            candidates += [(g, j, key) for j, key in zip(range(start, end), self._keys(hashes, g, start, end))]
+            state.stored_blocks[g] = end
+        if not candidates:
+            return None
+        out = self.manager.prepare_store([key for _, _, key in candidates])
+        if out is None or not out.keys_to_store:
+            return None
+        chosen = set(out.keys_to_store)
+        device_ids: list[int] = []
+        sizes = [0] * len(self.groups)
+        indices = [0] * len(self.groups)
+        for g, j, key in candidates:
+            if key not in chosen:
+                continue
+            if sizes[g] == 0:
+                indices[g] = j * self.factor
+            device_ids += state.block_ids[g][j * self.factor : (j + 1) * self.factor]
+            sizes[g] += self.factor
+            tokens = self._tokens[g]
+            parent = self._hash_at(hashes, g, j - 1) if j > 0 else None
+            self._events.remember(key, parent, tokens_ids[j * tokens : (j + 1) * tokens])
+        job = self._new_job(req_id, True, list(out.keys_to_store))
+        return TransferJob(job, req_id, True, DeviceLoadStoreSpec(device_ids, sizes, indices), out.store_spec)
+
+    # -- completions ---------------------------------------------------------------------
+
+    def complete_jobs(self, results: Iterable[tuple[int, bool]]) -> None:
+        """Apply ``(job_id, success)`` outcomes; unknown job ids raise ``KeyError``."""
+        for job_id, success in results:
+            job = self._jobs.pop(job_id, None)
+            if job is None:
+                raise KeyError(f"unknown transfer job {job_id}")
+            if job.is_store:
+                self.manager.complete_store(job.keys, success)
+                if not success:
+                    self._events.forget(job.keys)
+            else:
+                self.manager.complete_load(job.keys)
+            state = self._requests.get(job.req_id)
+            if state is not None:
+                state.jobs.discard(job_id)
+                if state.finished and not state.jobs:
+                    del self._requests[job.req_id]
+                    self._freeable.add(job.req_id)
+
+    def request_finished(self, req_id: str) -> bool:
+        """Whether the engine must hold the request's device blocks until its jobs finish."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return False
+        # A load planned but not yet sent will never run: release its pins now.
+        for load in [job for job in self._pending_loads if job.req_id == req_id]:
+            self._pending_loads.remove(load)
+            self.complete_jobs([(load.job_id, False)])
+        if not state.jobs:
+            del self._requests[req_id]
+            return False
+        state.finished = True
+        self._hold[req_id] = sorted(state.jobs)
+        return True
+
+    def take_freeable(self) -> set[str]:
+        """Finished requests whose held device blocks may now be freed."""
+        freeable, self._freeable = self._freeable, set()
+        return freeable
+
+    # -- events and reset ----------------------------------------------------------------
+
+    def take_events(self) -> list[KVEvent]:
+        """Wire events (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``) since the last call."""
+        events = self._wire_events + self._events.convert(self.manager.take_events())
+        self._wire_events = []
+        return events
+
+    def reset(self) -> None:
+        """Drop every offloaded block. Refused (``RuntimeError``) while transfers are
+        planned or in flight: their host blocks could be handed out again mid-copy."""
+        if self._jobs:
+            raise RuntimeError(f"cannot reset the offloading tier with {len(self._jobs)} transfers in flight")
+        self._wire_events += self._events.convert(self.manager.take_events())
+        self.manager.reset()
+        self.manager.take_events()  # the reset's own removals are said by AllBlocksCleared
+        self._events.clear()
+        self._wire_events.append(self._events.cleared())
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _state(self, request: RequestView) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            n = len(self.groups)
+            state = _RequestState(request, [[] for _ in range(n)], [0] * n)
+            self._requests[request.request_id] = state
+        return state
+
+    def _hashes(self, request: RequestView) -> Sequence[bytes]:
+        hashes = request.block_hashes
+        if hashes is None:  # an engine that does not hash: hash the tokens ourselves
+            hashes = self._hasher.hash_request(request.all_token_ids, self.hash_block_size)
+        return hashes
+
+    def _num_full(self, hashes: Sequence[bytes], g: int) -> int:
+        return len(hashes) * self.hash_block_size // self._tokens[g]
+
+    def _hash_at(self, hashes: Sequence[bytes], g: int, j: int) -> bytes:
+        return hashes[(j + 1) * self._tokens[g] // self.hash_block_size - 1]
+
+    def _keys(self, hashes: Sequence[bytes], g: int, start: int, end: int) -> list[OffloadKey]:
+        step = self._tokens[g] // self.hash_block_size
+        return [make_offload_key(hashes[(j + 1) * step - 1], g) for j in range(start, end)]
+
+    def _new_job(self, req_id: str, is_store: bool, keys: list[OffloadKey]) -> int:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._jobs[job_id] = _Job(req_id, is_store, keys)
+        self._requests[req_id].jobs.add(job_id)
+        return job_id

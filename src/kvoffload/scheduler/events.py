@@ -1,0 +1,117 @@
+"""Conversion of a tier's ``OffloadingEvent``s into wire KV events.
+
+Only the scheduler knows, for a key, its KV-cache group, its tokens and its parent, so it
+records that (``remember``) when it reserves the store, and this converter fills
+``block_size`` from the key's group when the tier announces the key:
+
+* ``BlockStored``: ``block_hashes`` are ``external_hash`` values, ``group_idx`` and
+  ``block_size`` (device block size x blocks per offloaded block) from the key's group,
+  ``medium`` from the tier. In ``self_describing`` mode (default) it also carries
+  ``token_ids`` and ``parent_block_hash`` so routers that re-hash tokens can index it;
+  consecutive keys of one chain are announced in one event. ``placeholder`` mode emits
+  vLLM's own offloading form: ``block_size=0``, no tokens, no parent.
+* ``BlockRemoved`` for every eviction, one event per group.
+* ``AllBlocksCleared`` when the scheduler resets the tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvoffload.keys import GROUP_BYTES, OffloadKey, external_hash
+from kvoffload.manager import OffloadingEvent
+from kvoffload.scheduler.types import KVGroup
+
+EVENT_MODES = ("self_describing", "placeholder")
+
+
+@dataclass(frozen=True)
+class _StoredBlock:
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+class EventConverter:
+    """Turns tier events into wire events, using what the scheduler remembered per key."""
+
+    def __init__(self, groups: Sequence[KVGroup], blocks_per_offload_block: int, mode: str = "self_describing"):
+        if mode not in EVENT_MODES:
+            raise ValueError(f"kv_events must be one of {EVENT_MODES}, got {mode!r}")
+        self.mode = mode
+        self._groups = list(groups)
+        self._factor = blocks_per_offload_block
+        self._pending: dict[OffloadKey, _StoredBlock] = {}
+
+    def remember(self, key: OffloadKey, parent_hash: bytes | None, token_ids: Sequence[int]) -> None:
+        """Record what a key's ``BlockStored`` must say, before its store completes."""
+        self._pending[key] = _StoredBlock(parent_hash, tuple(token_ids))
+
+    def forget(self, keys: Sequence[OffloadKey]) -> None:
+        """Drop records of keys whose store failed (they are never announced)."""
+        for key in keys:
+            self._pending.pop(key, None)
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def convert(self, events: Sequence[OffloadingEvent]) -> list[KVEvent]:
+        out: list[KVEvent] = []
+        for event in events:
+            if event.removed:
+                out.extend(self._removed(event))
+            else:
+                out.extend(self._stored(event))
+        return out
+
+    def cleared(self) -> AllBlocksCleared:
+        return AllBlocksCleared()
+
+    def _removed(self, event: OffloadingEvent) -> list[BlockRemoved]:
+        by_group: dict[int, list[int]] = {}
+        for key in event.keys:
+            group, block_hash = _split(key)
+            by_group.setdefault(group, []).append(external_hash(block_hash))
+        return [BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group) for group, hashes in by_group.items()]
+
+    def _stored(self, event: OffloadingEvent) -> list[BlockStored]:
+        out: list[BlockStored] = []
+        run: list[tuple[bytes, _StoredBlock]] = []
+        run_group = -1
+        for key in event.keys:
+            group, block_hash = _split(key)
+            info = self._pending.pop(key, None) or _StoredBlock(None, ())
+            chained = run and group == run_group and info.parent_hash == run[-1][0]
+            if run and not chained:
+                out.append(self._stored_event(run, run_group, event.medium))
+                run = []
+            run.append((block_hash, info))
+            run_group = group
+        if run:
+            out.append(self._stored_event(run, run_group, event.medium))
+        return out
+
+    def _stored_event(self, run: list[tuple[bytes, _StoredBlock]], group: int, medium: str) -> BlockStored:
+        spec = self._groups[group] if group < len(self._groups) else None
+        hashes = [external_hash(h) for h, _ in run]
+        if self.mode == "placeholder" or spec is None:
+            return BlockStored(hashes, None, [], 0, None, medium, None, group_idx=group)
+        first_parent = run[0][1].parent_hash
+        tokens = [t for _, info in run for t in info.token_ids]
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None if first_parent is None else external_hash(first_parent),
+            token_ids=tokens,
+            block_size=spec.block_size * self._factor,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            group_idx=group,
+            kv_cache_spec_kind=spec.kind,
+            kv_cache_spec_sliding_window=spec.sliding_window,
+        )
+
+
+def _split(key: OffloadKey) -> tuple[int, bytes]:
+    return int.from_bytes(key[-GROUP_BYTES:], "big"), key[:-GROUP_BYTES]

@@ -1,0 +1,92 @@
+"""Plain data exchanged between an engine and the ``OffloadingScheduler``.
+
+Engines describe their KV-cache groups (``KVGroup``), each step's scheduled requests
+(``StepRequest``) and transfer outcomes (``(job_id, success)`` pairs); the scheduler answers
+with ``TransferJob``s gathered in a ``StepPlan``. Nothing here depends on an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvoffload.manager import LoadStoreSpec
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group of the engine: its device block size in tokens.
+
+    ``kind`` and ``sliding_window`` are reported in ``BlockStored`` events so routers can
+    tell groups apart; offloading treats every group as full attention (all blocks kept).
+    """
+
+    block_size: int
+    kind: str = "full_attention"
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"KVGroup.block_size must be a positive int, got {self.block_size!r}")
+
+
+class RequestView(Protocol):
+    """What the scheduler reads from an engine request; the sequences may grow over time."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes] | None: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """A request scheduled in this step.
+
+    ``new_block_ids`` (one list per KV-cache group, or ``None``) are appended to the
+    request's device blocks, or replace them when ``replace_block_ids`` (a resumed request).
+    ``num_computed_tokens`` counts the tokens whose KV exists once this step has run.
+    """
+
+    req_id: str
+    new_block_ids: Sequence[Sequence[int]] | None
+    num_computed_tokens: int
+    replace_block_ids: bool = False
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """One copy for the worker: ``src_spec`` to ``dst_spec``, reported back by ``job_id``."""
+
+    job_id: int
+    req_id: str
+    is_store: bool
+    src_spec: LoadStoreSpec
+    dst_spec: LoadStoreSpec
+
+
+@dataclass
+class StepPlan:
+    """What the worker does this step.
+
+    Loads run before the forward pass, stores after it. ``hold_blocks`` names finished
+    requests whose device blocks the engine must keep until the listed jobs complete.
+    ``flush`` names preempted requests whose jobs must complete before their blocks are
+    reused.
+    """
+
+    loads: list[TransferJob] = field(default_factory=list)
+    stores: list[TransferJob] = field(default_factory=list)
+    hold_blocks: dict[str, list[int]] = field(default_factory=dict)
+    flush: dict[str, list[int]] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.stores or self.hold_blocks or self.flush)

@@ -1,0 +1,242 @@
+"""The engine-agnostic scheduler, driven as an engine would drive it."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored
+from kvoffload.keys import BlockHasher, external_hash, make_offload_key
+from kvoffload.manager import LookupResult
+from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
+
+HASHER = BlockHasher()
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int = 0
+    hashed: bool = True
+    block_size: int = 4
+    block_hashes: list[bytes] | None = field(default=None)
+
+    def __post_init__(self):
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.all_token_ids)
+        if self.hashed:
+            self.block_hashes = HASHER.hash_request(self.all_token_ids, self.block_size)
+
+
+def make(num_blocks=16, groups=(KVGroup(4),), factor=1, policy="lru", mode="self_describing"):
+    manager = CPUOffloadingManager(num_blocks, policy, enable_events=True)
+    return manager, OffloadingScheduler(manager, groups, hash_block_size=4, blocks_per_offload_block=factor, kv_events=mode)
+
+
+def run_prefill(sched, req, block_ids, computed=0):
+    """Match, allocate, then one step that computes the whole prompt; completes jobs."""
+    n = sched.match(req, computed)
+    sched.on_allocated(req.request_id, block_ids, n)
+    plan = sched.build_step([StepRequest(req.request_id, None, req.num_prompt_tokens)])
+    sched.complete_jobs([(job.job_id, True) for job in plan.loads + plan.stores])
+    return n, plan
+
+
+def test_stores_full_blocks_only_and_emits_self_describing_events():
+    manager, sched = make()
+    req = Req("a", list(range(10)))  # 2 full blocks of 4, 2 tokens partial
+    n, plan = run_prefill(sched, req, [[7, 8, 9]])
+    assert n == 0 and plan.loads == []
+    (store,) = plan.stores
+    assert store.src_spec.block_ids.tolist() == [7, 8]
+    assert store.src_spec.group_sizes.tolist() == [1 * 2] and store.src_spec.block_indices.tolist() == [0]
+    assert store.dst_spec.block_ids.tolist() == [0, 1]
+    h = req.block_hashes
+    assert sched.take_events() == [
+        BlockStored(
+            block_hashes=[external_hash(h[0]), external_hash(h[1])],
+            parent_block_hash=None,
+            token_ids=list(range(8)),
+            block_size=4,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        )
+    ]
+
+
+def test_match_counts_leading_hits_and_keeps_one_token_to_compute():
+    manager, sched = make()
+    run_prefill(sched, Req("a", list(range(12))), [[0, 1, 2]])
+    sched.request_finished("a")
+    # same 12-token prompt: 3 blocks offloaded, but the engine must compute the last token
+    b = Req("b", list(range(12)))
+    assert sched.match(b, 0) == 11
+    # the engine already has 1 block cached: 7 more from the tier
+    assert sched.match(b, 4) == 7
+    # a longer prompt sharing 2 blocks, then diverging
+    c = Req("c", list(range(8)) + [99] * 8)
+    assert sched.match(c, 0) == 8
+
+
+def test_load_plan_pins_and_targets_allocated_device_blocks():
+    manager, sched = make()
+    run_prefill(sched, Req("a", list(range(12))), [[0, 1, 2]])
+    b = Req("b", list(range(12)) + [5, 5])
+    n = sched.match(b, 4)  # engine holds block 0 itself
+    assert n == 8
+    sched.on_allocated("b", [[10, 11, 12, 13]], n)
+    assert manager.stats().pinned == 2
+    plan = sched.build_step([StepRequest("b", None, 14)])
+    (load,) = plan.loads
+    assert load.src_spec.block_ids.tolist() == [1, 2]  # host slots of blocks 1 and 2
+    assert load.dst_spec.block_ids.tolist() == [11, 12]
+    assert load.dst_spec.block_indices.tolist() == [1]
+    sched.complete_jobs([(load.job_id, True)])
+    assert manager.stats().pinned == 0
+
+
+def test_pending_store_means_ask_again():
+    manager, sched = make()
+    a = Req("a", list(range(8)))
+    sched.match(a, 0)
+    sched.on_allocated("a", [[0, 1]], 0)
+    plan = sched.build_step([StepRequest("a", None, 8)])
+    assert sched.match(Req("b", list(range(9))), 0) is None
+    sched.complete_jobs([(plan.stores[0].job_id, True)])
+    assert sched.match(Req("b", list(range(9))), 0) == 8
+
+
+def test_failed_store_rolls_back_without_event_and_failed_load_unpins():
+    manager, sched = make()
+    a = Req("a", list(range(8)))
+    sched.match(a, 0)
+    sched.on_allocated("a", [[0, 1]], 0)
+    plan = sched.build_step([StepRequest("a", None, 8)])
+    sched.complete_jobs([(plan.stores[0].job_id, False)])
+    assert sched.take_events() == []
+    assert manager.lookup(make_offload_key(a.block_hashes[0], 0)) is LookupResult.MISS
+    run_prefill(sched, Req("c", list(range(8))), [[0, 1]])
+    b = Req("b", list(range(9)))
+    n = sched.match(b, 0)
+    sched.on_allocated("b", [[4, 5, 6]], n)
+    plan = sched.build_step([])
+    sched.complete_jobs([(plan.loads[0].job_id, False)])
+    assert manager.stats().pinned == 0
+    with pytest.raises(KeyError, match="unknown transfer job"):
+        sched.complete_jobs([(plan.loads[0].job_id, True)])
+
+
+def test_stores_follow_a_growing_request_across_steps():
+    manager, sched = make()
+    req = Req("a", list(range(6)))
+    sched.match(req, 0)
+    sched.on_allocated("a", [[0, 1]], 0)
+    plan = sched.build_step([StepRequest("a", None, 6)])
+    assert [j.src_spec.block_ids.tolist() for j in plan.stores] == [[0]]
+    # decode: tokens appended, hashes grow, a new block is allocated
+    req.all_token_ids += [6, 7, 8]
+    req.block_hashes = HASHER.hash_request(req.all_token_ids, 4)
+    plan2 = sched.build_step([StepRequest("a", [[2]], 9)])
+    assert [j.src_spec.block_ids.tolist() for j in plan2.stores] == [[1]]
+    assert plan2.stores[0].src_spec.block_indices.tolist() == [1]
+    sched.complete_jobs([(j.job_id, True) for j in plan.stores + plan2.stores])
+    first, second = sched.take_events()  # one event per completed store
+    assert first.token_ids == [0, 1, 2, 3] and first.parent_block_hash is None
+    assert second.token_ids == [4, 5, 6, 7]
+    assert second.parent_block_hash == external_hash(req.block_hashes[0])
+
+
+def test_finished_request_holds_blocks_until_its_stores_complete():
+    manager, sched = make()
+    a = Req("a", list(range(8)))
+    sched.match(a, 0)
+    sched.on_allocated("a", [[0, 1]], 0)
+    plan = sched.build_step([StepRequest("a", None, 8)])
+    assert sched.request_finished("a") is True
+    plan2 = sched.build_step([])
+    assert plan2.hold_blocks == {"a": [plan.stores[0].job_id]}
+    assert sched.take_freeable() == set()
+    sched.complete_jobs([(plan.stores[0].job_id, True)])
+    assert sched.take_freeable() == {"a"}
+    assert sched.num_requests == 0
+    assert sched.request_finished("zzz") is False
+
+
+def test_evictions_become_block_removed_and_reset_all_blocks_cleared():
+    manager, sched = make(num_blocks=2)
+    a = Req("a", list(range(8)))
+    run_prefill(sched, a, [[0, 1]])
+    sched.request_finished("a")
+    b = Req("b", [50 + i for i in range(8)])
+    run_prefill(sched, b, [[2, 3]])
+    events = sched.take_events()
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert removed == [BlockRemoved(block_hashes=[external_hash(h) for h in a.block_hashes], medium="CPU", group_idx=0)]
+    sched.request_finished("b")
+    sched.reset()
+    assert sched.take_events() == [AllBlocksCleared()]
+    assert manager.stats().used == 0
+
+
+def test_reset_refused_with_transfers_in_flight():
+    manager, sched = make()
+    a = Req("a", list(range(8)))
+    sched.match(a, 0)
+    sched.on_allocated("a", [[0, 1]], 0)
+    sched.build_step([StepRequest("a", None, 8)])
+    with pytest.raises(RuntimeError, match="in flight"):
+        sched.reset()
+
+
+def test_two_groups_with_different_block_sizes_and_offload_factor():
+    # group 0: 4-token device blocks; group 1: 8-token device blocks; F = 2
+    manager, sched = make(num_blocks=64, groups=(KVGroup(4), KVGroup(8, "sliding_window", 8)), factor=2)
+    req = Req("a", list(range(20)))  # hashes every 4 tokens
+    n, plan = run_prefill(sched, req, [[0, 1, 2, 3, 4], [10, 11, 12]])
+    (store,) = plan.stores
+    # group 0 offloads 8-token blocks: 2 of them (device 0..3); group 1 16-token blocks: 1 (device 10, 11)
+    assert store.src_spec.group_sizes.tolist() == [4, 2]
+    assert store.src_spec.block_ids.tolist() == [0, 1, 2, 3, 10, 11]
+    events = sched.take_events()
+    sizes = sorted((e.group_idx, e.block_size, len(e.block_hashes)) for e in events)
+    assert sizes == [(0, 8, 2), (1, 16, 1)]
+    g1 = [e for e in events if e.group_idx == 1][0]
+    assert g1.block_hashes == [external_hash(req.block_hashes[3])]
+    assert g1.kv_cache_spec_kind == "sliding_window" and g1.kv_cache_spec_sliding_window == 8
+    sched.request_finished("a")
+    # a new request with the same 20 tokens: group 1 limits the hit to 16 tokens
+    b = Req("b", list(range(20)))
+    assert sched.match(b, 0) == 16
+    sched.on_allocated("b", [[20, 21, 22, 23, 24], [30, 31, 32]], 16)
+    (load,) = sched.build_step([]).loads
+    assert load.dst_spec.group_sizes.tolist() == [4, 2]
+    assert load.dst_spec.block_ids.tolist() == [20, 21, 22, 23, 30, 31]
+
+
+def test_placeholder_events_carry_no_tokens():
+    manager, sched = make(mode="placeholder")
+    run_prefill(sched, Req("a", list(range(8))), [[0, 1]])
+    (event,) = sched.take_events()
+    assert event.block_size == 0 and event.token_ids == [] and event.parent_block_hash is None
+
+
+def test_hashes_tokens_itself_when_engine_gives_none():
+    manager, sched = make()
+    run_prefill(sched, Req("a", list(range(8)), hashed=False), [[0, 1]])
+    sched.request_finished("a")
+    assert sched.match(Req("b", list(range(9))), 0) == 8
+
+
+def test_configuration_errors_name_the_value():
+    manager = CPUOffloadingManager(4)
+    with pytest.raises(ValueError, match="blocks_per_offload_block"):
+        OffloadingScheduler(manager, [KVGroup(4)], 4, blocks_per_offload_block=0)
+    with pytest.raises(ValueError, match="hash block size 3"):
+        OffloadingScheduler(manager, [KVGroup(4)], 3)
+    with pytest.raises(ValueError, match="kv_events"):
+        OffloadingScheduler(manager, [KVGroup(4)], 4, kv_events="loud")
+    with pytest.raises(ValueError, match="block_size"):
+        KVGroup(0)
