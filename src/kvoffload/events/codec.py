@@ -1,0 +1,165 @@
+"""Wire codec for KV event batches, compatible with vLLM's msgspec/msgpack payloads.
+
+Contract:
+
+* ``encode(batch, fmt="map", hash_format="u64") -> bytes``. The batch is always the
+  msgpack array ``[ts, events, data_parallel_rank]``. ``fmt="map"`` (vLLM 0.24 and
+  later) writes each event as a map with ``"type"`` and its field names, leaving out
+  optional fields that are ``None``; ``fmt="array"`` (vLLM 0.23 and earlier, older
+  llm-d/AIBrix/Kthena decoders) writes ``[type, field1, field2, ...]`` with every slot.
+* ``hash_format="u64"`` writes every block hash as an unsigned 64-bit integer: raw hash
+  bytes are converted with ``external_hash``, integers must already lie in
+  ``[0, 2**64)``. ``hash_format="raw"`` writes hashes exactly as the events hold them.
+* ``decode(data) -> KVEventBatch`` accepts both encodings and both hash forms, returns
+  the public types of ``kvoffload.events.types`` and raises ``EventDecodeError`` (a
+  ``ValueError``) for anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+from msgspec.structs import astuple, replace
+
+from kvoffload.events.types import (
+    HASH_FORMATS,
+    AllBlocksCleared,
+    BlockHashValue,
+    BlockRemoved,
+    BlockStored,
+    HashFormat,
+    KVEventBatch,
+    wire_hash,
+)
+
+FORMATS: tuple[str, ...] = ("map", "array")
+_U64_LIMIT = 1 << 64
+
+
+class EventDecodeError(ValueError):
+    """The payload is not a KV event batch in either encoding."""
+
+
+# Positional twins of the public events, used only to read the array encoding. They keep
+# the public class names as tags, so the wire shows "BlockStored", not the twin's name.
+class _BlockStoredArray(BlockStored, array_like=True, omit_defaults=False, tag="BlockStored"):
+    pass
+
+
+class _BlockRemovedArray(BlockRemoved, array_like=True, omit_defaults=False, tag="BlockRemoved"):
+    pass
+
+
+class _AllBlocksClearedArray(AllBlocksCleared, array_like=True, omit_defaults=False, tag="AllBlocksCleared"):
+    pass
+
+
+class _ArrayEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_BlockStoredArray, _BlockRemovedArray, _AllBlocksClearedArray]]
+    data_parallel_rank: int | None = None
+
+
+_PUBLIC_OF_ARRAY = {
+    _BlockStoredArray: BlockStored,
+    _BlockRemovedArray: BlockRemoved,
+    _AllBlocksClearedArray: AllBlocksCleared,
+}
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _u64_hashes(hashes: list[BlockHashValue]) -> list[BlockHashValue]:
+    """``hashes`` with raw bytes converted; the same list when it is already all u64."""
+    if not hashes:
+        return hashes
+    if set(map(type, hashes)) != {int}:
+        hashes = [h if type(h) is int else _one_u64(h) for h in hashes]
+    # min/max run in C: a cheap guard against negative or oversized ints.
+    low, high = min(hashes), max(hashes)
+    if low < 0 or high >= _U64_LIMIT:
+        bad = low if low < 0 else high
+        raise ValueError(f"block hash {bad!r} is outside the unsigned 64-bit range")
+    return hashes
+
+
+def _one_u64(value: Any) -> int:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return wire_hash(bytes(value), "u64")  # type: ignore[return-value]
+    if isinstance(value, int):
+        return value
+    raise TypeError(f"block hash must be int or bytes, got {value!r}")
+
+
+def _with_u64_hashes(event: Any) -> Any:
+    hashes = getattr(event, "block_hashes", None)
+    if hashes is None:
+        return event
+    new_hashes = _u64_hashes(hashes)
+    if type(event) is BlockStored:
+        parent = event.parent_block_hash
+        new_parent = None if parent is None else _one_u64(parent)
+        if new_parent is not None and not 0 <= new_parent < _U64_LIMIT:
+            raise ValueError(f"parent block hash {new_parent!r} is outside the unsigned 64-bit range")
+        if new_hashes is hashes and new_parent is parent:
+            return event
+        return replace(event, block_hashes=new_hashes, parent_block_hash=new_parent)
+    return event if new_hashes is hashes else replace(event, block_hashes=new_hashes)
+
+
+class EventEncoder:
+    """Reusable encoder for one wire format and hash form (cheaper than ``encode``)."""
+
+    def __init__(self, fmt: str = "map", hash_format: HashFormat = "u64") -> None:
+        _check_choice("fmt", fmt, FORMATS)
+        _check_choice("hash_format", hash_format, HASH_FORMATS)
+        self.fmt = fmt
+        self.hash_format = hash_format
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, batch: KVEventBatch) -> bytes:
+        if not isinstance(batch, KVEventBatch):
+            raise TypeError(f"expected a KVEventBatch, got {type(batch).__name__}: {batch!r}")
+        events = batch.events
+        if self.hash_format == "u64":
+            events = [_with_u64_hashes(e) for e in events]
+        if self.fmt == "map":
+            if events is not batch.events:
+                batch = KVEventBatch(batch.ts, events, batch.data_parallel_rank)
+            return self._encoder.encode(batch)
+        positional = [(type(e).__name__, *astuple(e)) for e in events]
+        return self._encoder.encode((batch.ts, positional, batch.data_parallel_rank))
+
+
+_MAP_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_ARRAY_DECODER = msgspec.msgpack.Decoder(_ArrayEventBatch)
+_ENCODERS: dict[tuple[str, str], EventEncoder] = {}
+
+
+def encode(batch: KVEventBatch, fmt: str = "map", hash_format: HashFormat = "u64") -> bytes:
+    """The msgpack payload of ``batch`` (see the module contract)."""
+    encoder = _ENCODERS.get((fmt, hash_format))
+    if encoder is None:
+        encoder = _ENCODERS.setdefault((fmt, hash_format), EventEncoder(fmt, hash_format))
+    return encoder.encode(batch)
+
+
+def decode(data: bytes | bytearray | memoryview) -> KVEventBatch:
+    """The batch in ``data``, in either encoding; ``EventDecodeError`` if it is neither."""
+    try:
+        return _MAP_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as map_error:
+        try:
+            positional = _ARRAY_DECODER.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as array_error:
+            preview = bytes(data[:16]).hex()
+            raise EventDecodeError(
+                f"payload of {len(data)} bytes (starting {preview}) is not a KV event batch: "
+                f"map encoding: {map_error}; array encoding: {array_error}"
+            ) from None
+    events = [_PUBLIC_OF_ARRAY[type(e)](*astuple(e)) for e in positional.events]
+    return KVEventBatch(positional.ts, events, positional.data_parallel_rank)
