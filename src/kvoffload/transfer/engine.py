@@ -1,0 +1,217 @@
+"""``TransferEngine``: asynchronous store and load jobs between device KV and the host pool.
+
+Calling convention (one job = one spec pair, all KV-cache groups of the layout at once):
+
+* store (device -> host): ``submit(job_id, DeviceLoadStoreSpec(...), CPULoadStoreSpec(host_ids))``
+* load (host -> device): ``submit(job_id, CPULoadStoreSpec(host_ids), DeviceLoadStoreSpec(...))``
+
+The device spec lists the device blocks of every group concatenated in group order, with
+``group_sizes`` (one entry per layout group, zero for a group not in the job) and
+``block_indices`` (each group's logical index of its first block). The host spec lists the
+host blocks of every group concatenated in the same order; group ``g`` spans
+``ceil((block_indices[g] % F + group_sizes[g]) / F)`` of them (see
+``kvoffload.transfer.mapping``). For example, with F=4, a full-attention group storing
+device blocks 10..17 at logical positions 8..15 and a sliding-window group storing 2
+blocks at positions 14..15 (entering its host block part-way)::
+
+    DeviceLoadStoreSpec([10..17, 40, 41], group_sizes=[8, 2], block_indices=[8, 14])
+    CPULoadStoreSpec([h0, h1, h2])    # h0, h1 for group 0; h2 for group 1
+
+Contract:
+
+* ``submit`` validates everything before queueing and raises ``ValueError`` naming the
+  bad value (ids out of range, wrong counts, a group count that is not the layout's,
+  duplicate destinations, a job id already in flight), ``TypeError`` for a spec pair that
+  is neither a store nor a load, and ``RuntimeError`` after ``close``. It returns ``True``
+  when the job is queued.
+* Stores and loads have their own queue and worker; within a direction jobs run and
+  complete in submission order, and the two directions overlap.
+* ``poll()`` returns the results finished since the last poll, in completion order.
+  ``TransferResult.bytes`` counts the bytes the job moves (0 when it fails);
+  ``seconds`` is the copy time, not the time spent queued.
+* A job that fails while copying reports ``success=False`` with ``error`` set. Its
+  destination blocks are then unspecified (possibly partly written): the caller must not
+  mark them loadable, and nothing else in the pools is touched. Later jobs still run.
+* ``wait(job_ids)`` blocks until those jobs have finished (their results stay for
+  ``poll``); unknown ids count as finished. ``close()`` lets queued jobs finish, stops
+  the workers, and is idempotent; results remain pollable.
+
+CPU tensors use ``CPUExecutor``, CUDA tensors ``CUDAExecutor`` (see
+``kvoffload.transfer.backends``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvoffload.cpu import CPULoadStoreSpec
+from kvoffload.manager import LoadStoreSpec
+from kvoffload.transfer.backends import CPUExecutor, CUDAExecutor, Piece
+from kvoffload.transfer.host_pool import HostBlockPool
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.mapping import map_sub_blocks
+from kvoffload.transfer.specs import DeviceLoadStoreSpec
+
+STORE = "store"
+LOAD = "load"
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    success: bool
+    bytes: int
+    seconds: float
+    direction: str  # "store" (device -> host) or "load" (host -> device)
+    error: str | None = None
+
+
+@dataclass
+class _Job:
+    job_id: int
+    store: bool
+    pieces: list[Piece]
+    nbytes: int
+    ready: object = None  # CUDA event on the submitting stream
+
+
+def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
+    bad = ids[(ids < 0) | (ids >= limit)]
+    if len(bad):
+        raise ValueError(f"{what} {int(bad[0])} out of range [0, {limit})")
+
+
+class TransferEngine:
+    """Moves KV pages between ``layout``'s tensors and ``host_pool``, asynchronously."""
+
+    def __init__(self, layout: KVLayout, host_pool: HostBlockPool, *, chunk_bytes: int = 1 << 20) -> None:
+        if host_pool.layout is not layout:
+            raise ValueError("host_pool was built for a different layout")
+        self.layout = layout
+        self.host_pool = host_pool
+        if layout.device.type == "cuda":
+            self._executor: CPUExecutor | CUDAExecutor = CUDAExecutor(layout, host_pool)
+        elif layout.device.type == "cpu":
+            self._executor = CPUExecutor(layout, host_pool, chunk_bytes)
+        else:
+            raise ValueError(f"unsupported device {layout.device} (cpu and cuda are)")
+        self._lock = threading.Condition()
+        self._pending: set[int] = set()
+        self._results: list[TransferResult] = []
+        self._closed = False
+        self._queues = {STORE: queue.Queue(), LOAD: queue.Queue()}
+        self._threads = [
+            threading.Thread(target=self._worker, args=(d,), name=f"kvoffload-{d}", daemon=True)
+            for d in (STORE, LOAD)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- submission ---------------------------------------------------------------------
+
+    def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        if self._closed:
+            raise RuntimeError(f"submit({job_id}) after close()")
+        if isinstance(src_spec, DeviceLoadStoreSpec) and isinstance(dst_spec, CPULoadStoreSpec):
+            store, device_spec, host_spec = True, src_spec, dst_spec
+        elif isinstance(src_spec, CPULoadStoreSpec) and isinstance(dst_spec, DeviceLoadStoreSpec):
+            store, device_spec, host_spec = False, dst_spec, src_spec
+        else:
+            raise TypeError(
+                "a job is (DeviceLoadStoreSpec, CPULoadStoreSpec) for a store or the reverse "
+                f"for a load, got ({type(src_spec).__name__}, {type(dst_spec).__name__})"
+            )
+        job = self._plan(job_id, store, device_spec, host_spec)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"submit({job_id}) after close()")
+            if job_id in self._pending:
+                raise ValueError(f"job id {job_id} is already in flight")
+            self._pending.add(job_id)
+        if isinstance(self._executor, CUDAExecutor):
+            job.ready = self._executor.ready_event()
+        self._queues[STORE if store else LOAD].put(job)
+        return True
+
+    def _plan(
+        self, job_id: int, store: bool, device_spec: DeviceLoadStoreSpec, host_spec: CPULoadStoreSpec
+    ) -> _Job:
+        layout = self.layout
+        if device_spec.num_groups != layout.num_groups:
+            raise ValueError(
+                f"device spec has {device_spec.num_groups} groups, the layout has {layout.num_groups}"
+            )
+        host_ids = np.asarray(host_spec.block_ids, dtype=np.int64)
+        _check_range(host_ids, self.host_pool.num_blocks, "host block id")
+        mappings = map_sub_blocks(
+            device_spec.block_ids,
+            device_spec.group_sizes,
+            device_spec.block_indices,
+            host_ids,
+            self.host_pool.blocks_per_host_block,
+        )
+        pieces: list[Piece] = []
+        nbytes = 0
+        for m in mappings:
+            if not len(m.device_rows):
+                continue
+            _check_range(m.device_rows, layout.group_num_blocks(m.group), f"device block id of group {m.group}")
+            destination = m.host_rows if store else m.device_rows
+            if len(np.unique(destination)) != len(destination):
+                what = "host sub-block" if store else "device block"
+                raise ValueError(f"group {m.group} writes a {what} twice in job {job_id}")
+            nbytes += len(m.device_rows) * layout.group_page_bytes(m.group)
+            pieces.extend((t, m.device_rows, m.host_rows) for t in layout.groups[m.group])
+        return _Job(job_id, store, pieces, nbytes)
+
+    # -- completion ---------------------------------------------------------------------
+
+    def _worker(self, direction: str) -> None:
+        state = None
+        jobs = self._queues[direction]
+        while (job := jobs.get()) is not None:
+            try:
+                if state is None:
+                    state = self._executor.new_state()
+                seconds = self._executor.run(job.store, job.pieces, state, job.ready)
+                result = TransferResult(job.job_id, True, job.nbytes, seconds, direction)
+            except Exception as exc:  # any copy error fails this job only
+                result = TransferResult(job.job_id, False, 0, 0.0, direction, f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                self._results.append(result)
+                self._pending.discard(job.job_id)
+                self._lock.notify_all()
+
+    def poll(self) -> list[TransferResult]:
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
+        """Block until every job in ``job_ids`` has finished; ``TimeoutError`` otherwise."""
+        wanted = set(job_ids)
+        with self._lock:
+            if not self._lock.wait_for(lambda: not (wanted & self._pending), timeout):
+                raise TimeoutError(f"jobs {sorted(wanted & self._pending)} still running")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for direction in (STORE, LOAD):
+            self._queues[direction].put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,73 @@
+"""The host block pool: where offloaded KV pages live in host memory.
+
+``HostBlockPool(layout, num_host_blocks, blocks_per_host_block=F)`` allocates one host
+tensor per layout tensor, shaped ``(num_host_blocks, page_bytes * F)`` uint8, pinned
+(page-locked) when CUDA is available so device copies can run asynchronously at full
+speed. An offloaded (host) block spans ``F`` consecutive device blocks: host block ``b``
+of a tensor holds device-sized sub-blocks ``b*F .. b*F+F-1``, and ``sub_blocks(t)`` views
+tensor ``t`` as ``(num_host_blocks * F, page_bytes)`` rows in that numbering.
+
+A host block id addresses the same slot in every tensor; a block of group ``g`` uses only
+the tensors of ``g``. With groups that share no tensors this leaves the other groups'
+slots of that id unused; vLLM's overlaid groups share their tensors and waste nothing.
+
+The memory is allocated uninitialised: a host block holds meaningful bytes only after a
+successful store into it, which is what the tier manager's bookkeeping tracks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvoffload.transfer.layout import KVLayout
+
+
+class HostBlockPool:
+    """One host tensor per device tensor of ``layout``."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_host_blocks: int,
+        blocks_per_host_block: int = 1,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be a non-negative int, got {num_host_blocks!r}")
+        if (
+            isinstance(blocks_per_host_block, bool)
+            or not isinstance(blocks_per_host_block, int)
+            or blocks_per_host_block < 1
+        ):
+            raise ValueError(
+                f"blocks_per_host_block must be a positive int, got {blocks_per_host_block!r}"
+            )
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.layout = layout
+        self.num_blocks = num_host_blocks
+        self.blocks_per_host_block = blocks_per_host_block
+        self.pinned = bool(pin_memory)
+        self.tensors: tuple[torch.Tensor, ...] = tuple(
+            torch.empty(
+                (num_host_blocks, layout.page_bytes(i) * blocks_per_host_block),
+                dtype=torch.uint8,
+                pin_memory=self.pinned,
+            )
+            for i in range(len(layout.tensors))
+        )
+
+    def sub_blocks(self, tensor: int) -> torch.Tensor:
+        """Tensor ``tensor`` as ``(num_host_blocks * F, page_bytes)``: row ``b*F + k`` is
+        sub-block ``k`` of host block ``b``."""
+        return self.tensors[tensor].view(-1, self.layout.page_bytes(tensor))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.tensors)
+
+    def __repr__(self) -> str:
+        return (
+            f"HostBlockPool({self.num_blocks} blocks x {self.blocks_per_host_block} device "
+            f"blocks, {self.nbytes / 2**20:.1f} MiB, pinned={self.pinned})"
+        )

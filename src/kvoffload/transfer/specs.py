@@ -1,0 +1,82 @@
+"""Device-side load/store specs: which device blocks of which KV-cache groups a job touches.
+
+``DeviceLoadStoreSpec(block_ids, group_sizes, block_indices)`` describes the device half of
+a transfer job. ``block_ids`` are the device block ids of every KV-cache group
+concatenated in group order; ``group_sizes[g]`` says how many of them belong to group
+``g`` (zero is allowed: a group may take no part in a job); ``block_indices[g]`` is the
+logical index, counted in device blocks within the request, of group ``g``'s first block
+in this job. The logical index only matters when one host block spans several device
+blocks (see ``kvoffload.transfer.mapping``): it says how far into its first host block a
+group starts.
+
+The medium is ``"GPU"`` for every accelerator, as in vLLM's events; a CPU-resident engine
+KV cache (vLLM's CPU build) uses the same spec.
+
+The host half of a job is a ``kvoffload.cpu.CPULoadStoreSpec`` whose block ids are the
+host blocks of all groups concatenated in the same group order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvoffload.manager import LoadStoreSpec
+
+
+def _int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+class DeviceLoadStoreSpec(LoadStoreSpec):
+    """Device block ids of several KV-cache groups, concatenated in group order."""
+
+    medium = "GPU"
+
+    def __init__(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        group_sizes: Sequence[int] | np.ndarray,
+        block_indices: Sequence[int] | np.ndarray,
+    ) -> None:
+        self.block_ids = _int_array("block_ids", block_ids)
+        self.group_sizes = _int_array("group_sizes", group_sizes)
+        self.block_indices = _int_array("block_indices", block_indices)
+        if len(self.block_indices) != len(self.group_sizes):
+            raise ValueError(
+                f"block_indices has {len(self.block_indices)} entries but group_sizes has "
+                f"{len(self.group_sizes)}; give one per KV-cache group"
+            )
+        if (self.group_sizes < 0).any():
+            bad = int(self.group_sizes[self.group_sizes < 0][0])
+            raise ValueError(f"group_sizes must be non-negative, got {bad}")
+        if (self.block_indices < 0).any():
+            bad = int(self.block_indices[self.block_indices < 0][0])
+            raise ValueError(f"block_indices must be non-negative, got {bad}")
+        total = int(self.group_sizes.sum())
+        if total != len(self.block_ids):
+            raise ValueError(
+                f"group_sizes sum to {total} but {len(self.block_ids)} block_ids were given"
+            )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_sizes)
+
+    def group_block_ids(self, group: int) -> np.ndarray:
+        """The device block ids of ``group`` (a view into ``block_ids``)."""
+        offsets = np.concatenate(([0], np.cumsum(self.group_sizes)))
+        return self.block_ids[offsets[group] : offsets[group + 1]]
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceLoadStoreSpec({self.block_ids.tolist()}, "
+            f"group_sizes={self.group_sizes.tolist()}, "
+            f"block_indices={self.block_indices.tolist()})"
+        )
