@@ -1,0 +1,68 @@
+"""``kv_connector_extra_config`` of ``KVOffloadConnector``, validated.
+
+Keys:
+
+* ``cpu_bytes_to_use`` (required): host bytes for the CPU tier, a positive int.
+* ``block_size``: offloaded block size in tokens, a positive multiple of the engine's block
+  size (default: the engine's).
+* ``eviction_policy``: ``lru`` (default), ``arc``, any registered policy name, or a
+  ``package.module:ClassName`` path.
+* ``kv_events``: ``self_describing`` (default: ``BlockStored`` with tokens and parent) or
+  ``placeholder`` (vLLM's own offloading form: ``block_size=0``, no tokens).
+
+Every error is a ``ValueError`` whose message names the key and the bad value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.policies import resolve_policy
+from kvoffload.scheduler.events import EVENT_MODES
+
+KNOWN_KEYS = ("cpu_bytes_to_use", "block_size", "eviction_policy", "kv_events")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    cpu_bytes_to_use: int
+    blocks_per_offload_block: int
+    eviction_policy: str
+    kv_events: str
+
+
+def _positive_int(extra: Mapping[str, Any], key: str) -> int:
+    value = extra[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a positive int, got {value!r}")
+    return value
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) -> OffloadConfig:
+    """Validate ``extra`` against an engine whose device blocks hold ``engine_block_size`` tokens."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(KNOWN_KEYS))
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {list(KNOWN_KEYS)}")
+    if "cpu_bytes_to_use" not in extra:
+        raise ValueError("kv_connector_extra_config['cpu_bytes_to_use'] is required (host bytes for the CPU tier)")
+    cpu_bytes = _positive_int(extra, "cpu_bytes_to_use")
+    block_size = engine_block_size
+    if "block_size" in extra:
+        block_size = _positive_int(extra, "block_size")
+        if block_size % engine_block_size:
+            raise ValueError(
+                f"kv_connector_extra_config['block_size'] must be a multiple of the engine block size "
+                f"{engine_block_size}, got {block_size}"
+            )
+    policy = extra.get("eviction_policy", "lru")
+    try:
+        resolve_policy(policy)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"kv_connector_extra_config['eviction_policy']: {exc}") from None
+    events = extra.get("kv_events", "self_describing")
+    if events not in EVENT_MODES:
+        raise ValueError(f"kv_connector_extra_config['kv_events'] must be one of {list(EVENT_MODES)}, got {events!r}")
+    return OffloadConfig(cpu_bytes, block_size // engine_block_size, policy, events)

@@ -1,0 +1,130 @@
+"""``KVOffloadConnector``: kvoffload as a vLLM v1 KV connector.
+
+Enable with::
+
+    kv_transfer_config={"kv_connector": "KVOffloadConnector",
+                        "kv_connector_module_path": "kvoffload.integrations.vllm",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"cpu_bytes_to_use": 4 << 30}}
+
+The connector is a thin adapter: the scheduler role delegates to ``SchedulerSide`` (an
+``OffloadingScheduler`` over a ``CPUOffloadingManager``), the worker role to ``WorkerSide``
+(a ``TransferEngine`` over a host block pool). Loads are asynchronous: a request with
+offloaded hits waits until its load finished, then runs with those tokens computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvoffload.integrations.vllm.config import parse_extra_config
+from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+from kvoffload.integrations.vllm.worker_side import WorkerSide
+
+
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("KVOffloadConnector needs vLLM's kv_cache_config")
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        config = parse_extra_config(extra, vllm_config.cache_config.block_size)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, config)
+        else:
+            self._worker = WorkerSide(kv_cache_config, config)
+
+    # -- worker role ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker_side().handle_preemptions(_plan(kv_connector_metadata))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker_side().start_loads(_plan(self._get_connector_metadata()))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads finish before their request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # stores copy whole blocks after the forward pass
+
+    def wait_for_save(self) -> None:
+        self._worker_side().start_stores(_plan(self._get_connector_metadata()))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self._worker_side().get_finished()
+        return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
+        return self._worker.build_worker_meta() if self._worker is not None else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler role ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request), None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler_side().take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler_side().reset_cache()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side call on a worker-role KVOffloadConnector")
+        return self._scheduler
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side call on a scheduler-role KVOffloadConnector")
+        return self._worker
+
+
+def _plan(metadata: KVConnectorMetadata):
+    if not isinstance(metadata, KVOffloadMetadata):
+        raise TypeError(f"expected KVOffloadMetadata, got {type(metadata).__name__}")
+    return metadata.plan

@@ -1,0 +1,123 @@
+"""The scheduler half of ``KVOffloadConnector``: vLLM's requests and steps, translated for
+the engine-agnostic ``OffloadingScheduler``, and its wire events converted to vLLM's own
+event classes (so they reach vLLM's KV-event publisher next to the engine's ``GPU`` events).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+from vllm.distributed import kv_events as vllm_events
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.events import types as kv_types
+from kvoffload.integrations.vllm.config import OffloadConfig
+from kvoffload.integrations.vllm.layout import host_block_bytes
+from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
+
+
+def _kv_groups(kv_cache_config: KVCacheConfig) -> list[KVGroup]:
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            groups.append(KVGroup(spec.block_size, "sliding_window", spec.sliding_window))
+        else:
+            groups.append(KVGroup(spec.block_size))
+    return groups
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
+        per_block = host_block_bytes(kv_cache_config, config.blocks_per_offload_block)
+        num_host_blocks = config.cpu_bytes_to_use // per_block
+        if num_host_blocks == 0:
+            raise ValueError(
+                f"kv_connector_extra_config['cpu_bytes_to_use']={config.cpu_bytes_to_use} holds no "
+                f"offloaded block ({per_block} bytes each)"
+            )
+        self.manager = CPUOffloadingManager(num_host_blocks, config.eviction_policy, enable_events=True)
+        hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+        self.scheduler = OffloadingScheduler(
+            self.manager,
+            _kv_groups(kv_cache_config),
+            hash_block_size=hash_block_size,
+            blocks_per_offload_block=config.blocks_per_offload_block,
+            kv_events=config.kv_events,
+        )
+        self._num_workers = vllm_config.parallel_config.world_size
+        self._reports: dict[int, tuple[int, bool]] = {}
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens = self.scheduler.match(request, num_computed_tokens)
+        if tokens is None:
+            return None, False
+        return tokens, tokens > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.on_allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, out: SchedulerOutput) -> KVOffloadMetadata:
+        steps = [
+            StepRequest(new.req_id, new.block_ids, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id], True)
+            for new in out.scheduled_new_reqs
+        ]
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            steps.append(
+                StepRequest(
+                    req_id,
+                    cached.new_block_ids[i],
+                    cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0),
+                    req_id in cached.resumed_req_ids,
+                )
+            )
+        return KVOffloadMetadata(self.scheduler.build_step(steps, out.preempted_req_ids or ()))
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, KVOffloadWorkerMetadata):
+            return
+        done = []
+        for job_id, (count, ok) in meta.finished.items():
+            prev_count, prev_ok = self._reports.pop(job_id, (0, True))
+            count, ok = prev_count + count, prev_ok and ok
+            if count >= self._num_workers:
+                done.append((job_id, ok))
+            else:
+                self._reports[job_id] = (count, ok)
+        self.scheduler.complete_jobs(done)
+
+    def request_finished(self, request: Request) -> bool:
+        return self.scheduler.request_finished(request.request_id)
+
+    def take_events(self) -> Iterable[vllm_events.KVCacheEvent]:
+        return [to_vllm_event(event) for event in self.scheduler.take_events()]
+
+    def reset_cache(self) -> bool:
+        try:
+            self.scheduler.reset()
+        except RuntimeError:
+            return False
+        return True
+
+
+_VLLM_CLASSES = {
+    kv_types.BlockStored: vllm_events.BlockStored,
+    kv_types.BlockRemoved: vllm_events.BlockRemoved,
+    kv_types.AllBlocksCleared: vllm_events.AllBlocksCleared,
+}
+
+
+def to_vllm_event(event: kv_types.KVCacheEvent) -> vllm_events.KVCacheEvent:
+    """The same event as an instance of vLLM's class, field for field."""
+    cls = _VLLM_CLASSES[type(event)]
+    fields = set(cls.__struct_fields__)
+    return cls(**{k: v for k, v in msgspec.structs.asdict(event).items() if k in fields})

@@ -1,0 +1,111 @@
+"""The worker half of ``KVOffloadConnector``: runs each step's plan on a ``TransferEngine``.
+
+Per step (vLLM's call order): ``handle_preemptions`` waits for the jobs of preempted
+requests; ``start_load_kv`` submits loads (before the forward pass); ``wait_for_save``
+submits stores (after it, when the blocks hold this step's KV); ``get_finished`` polls
+results and reports requests whose loads finished (``finished_recving``) and held
+requests whose jobs all finished (``finished_sending``); ``build_worker_meta`` sends the
+finished jobs to the scheduler; device blocks of failed loads go to
+``get_block_ids_with_load_errors`` so the engine recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from kvoffload.integrations.vllm.config import OffloadConfig
+from kvoffload.integrations.vllm.layout import build_layout, host_block_bytes
+from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
+from kvoffload.scheduler import StepPlan, TransferJob
+from kvoffload.transfer import HostBlockPool, TransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
+        self._kv_cache_config = kv_cache_config
+        self._config = config
+        self.engine: TransferEngine | None = None
+        self._jobs: dict[int, TransferJob] = {}  # submitted, not finished
+        self._held: dict[str, set[int]] = {}
+        self._finished: dict[int, tuple[int, bool]] = {}
+        self._load_errors: set[int] = set()
+        self._step_loads: list[int] = []
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        layout = build_layout(kv_caches, self._kv_cache_config)
+        per_block = host_block_bytes(self._kv_cache_config, self._config.blocks_per_offload_block)
+        num_host_blocks = self._config.cpu_bytes_to_use // per_block
+        pool = HostBlockPool(layout, num_host_blocks, self._config.blocks_per_offload_block)
+        self.engine = TransferEngine(layout, pool)
+        logger.info("kvoffload: %d host blocks (%.1f MiB) for %s", num_host_blocks, pool.nbytes / 2**20, layout)
+
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        jobs = [job for ids in plan.flush.values() for job in ids]
+        if jobs and self.engine is not None:
+            self.engine.wait(jobs)
+
+    def start_loads(self, plan: StepPlan) -> None:
+        for req_id, jobs in plan.hold_blocks.items():
+            self._held[req_id] = set(jobs)
+        self._submit(plan.loads)
+        self._step_loads = [job.job_id for job in plan.loads]
+
+    def start_stores(self, plan: StepPlan) -> None:
+        self._submit(plan.stores)
+
+    def _submit(self, jobs: list[TransferJob]) -> None:
+        assert self.engine is not None, "register_kv_caches was not called"
+        for job in jobs:
+            self._jobs[job.job_id] = job
+            try:
+                self.engine.submit(job.job_id, job.src_spec, job.dst_spec)
+            except ValueError as exc:  # a bad spec fails the job; it must not stop the engine
+                logger.error("kvoffload: job %d rejected: %s", job.job_id, exc)
+                self._finish(job.job_id, False)
+
+    def _finish(self, job_id: int, success: bool) -> tuple[str, bool] | None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return None
+        self._finished[job_id] = (1, success)
+        if not job.is_store and not success:
+            self._load_errors.update(int(b) for b in job.dst_spec.block_ids)
+        return job.req_id, job.is_store
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        recving: set[str] = set()
+        if self.engine is not None:
+            # The loads started this step overlapped the forward pass; waiting for their
+            # tail here lets their requests run next step instead of one or two later.
+            self.engine.wait(self._step_loads)
+            self._step_loads = []
+            for result in self.engine.poll():
+                if not result.success:
+                    logger.warning("kvoffload: %s job %d failed: %s", result.direction, result.job_id, result.error)
+                finished = self._finish(result.job_id, result.success)
+                if finished is not None and not finished[1]:
+                    recving.add(finished[0])
+        sending = {req for req, jobs in self._held.items() if not jobs & self._jobs.keys()}
+        for req in sending:
+            del self._held[req]
+        return sending, recving
+
+    def build_worker_meta(self) -> KVOffloadWorkerMetadata | None:
+        if not self._finished:
+            return None
+        meta, self._finished = KVOffloadWorkerMetadata(self._finished), {}
+        return meta
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
