@@ -1,0 +1,266 @@
+"""Subscriber of KV event batches that repairs gaps from the publisher's replay buffer.
+
+Contract:
+
+* ``receive(timeout)`` returns the next ``(seq, batch)`` in sequence order, or ``None``
+  when nothing arrives in time; iterating the subscriber yields them forever. Each
+  sequence number is delivered at most once per publisher lifetime.
+* A gap (live ``seq`` above the next expected one) is filled by asking the replay
+  endpoint for everything from the first missing sequence on. Sequence numbers the
+  publisher no longer buffers, or that no replay answered within ``replay_timeout``, are
+  counted as ``lost``; with no replay endpoint every gap is lost.
+* A subscriber that joins late (first live ``seq`` above ``start_seq``) backfills from
+  ``start_seq`` (0 by default; ``None`` starts from the first live batch).
+* A live sequence number at or below the last live one, or a live batch that differs from
+  the one replay already delivered under its number, means the publisher restarted:
+  ``restarts`` is counted and delivery starts over from the new publisher's ``start_seq``.
+* A message that is not three frames with an 8-byte sequence, or whose payload does not
+  decode, is skipped and counted as ``malformed``; it is not requested again.
+* ``stats()`` counts: ``decoded`` = ``live`` + ``replayed`` batches delivered, ``lost``,
+  ``malformed``, ``duplicates`` (already delivered, skipped), ``restarts``,
+  ``replay_requests``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import zmq
+
+from kvoffload.events import endpoints
+from kvoffload.events.codec import EventDecodeError, decode
+from kvoffload.events.publisher import END_SEQ
+from kvoffload.events.types import KVEventBatch
+
+logger = logging.getLogger(__name__)
+
+_AHEAD_LIMIT = 1 << 20  # remembered replay-ahead payload hashes, if live never catches up
+
+
+@dataclass
+class SubscriberStats:
+    decoded: int = 0
+    live: int = 0
+    replayed: int = 0
+    lost: int = 0
+    malformed: int = 0
+    duplicates: int = 0
+    restarts: int = 0
+    replay_requests: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _connect_address(endpoint: str | int, rank: int) -> str:
+    address = endpoints.for_rank(endpoints.normalize(endpoint), rank)
+    # A publisher bound on every interface is reached through the loopback one.
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+        if address.startswith(wildcard):
+            return f"tcp://{endpoints.LOCALHOST}:{address[len(wildcard):]}"
+    return address
+
+
+class EventSubscriber:
+    """Receives, orders, de-duplicates and gap-repairs a publisher's batches (see module doc)."""
+
+    def __init__(
+        self,
+        endpoint: str | int,
+        replay_endpoint: str | int | None = None,
+        topic: str = "",
+        *,
+        start_seq: int | None = 0,
+        replay_timeout: float = 5.0,
+        hwm: int = 100_000,
+        data_parallel_rank: int = 0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if not isinstance(topic, str):
+            raise ValueError(f"topic must be a str, got {topic!r}")
+        if start_seq is not None and (isinstance(start_seq, bool) or not isinstance(start_seq, int) or start_seq < 0):
+            raise ValueError(f"start_seq must be None or an int >= 0, got {start_seq!r}")
+        if not isinstance(replay_timeout, (int, float)) or replay_timeout <= 0:
+            raise ValueError(f"replay_timeout must be a positive number of seconds, got {replay_timeout!r}")
+        if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 0:
+            raise ValueError(f"hwm must be an int >= 0 (0 = unlimited), got {hwm!r}")
+        self.endpoint = _connect_address(endpoint, data_parallel_rank)
+        self.replay_endpoint = None if replay_endpoint is None else _connect_address(replay_endpoint, data_parallel_rank)
+        self.topic = topic
+        self._start_seq = start_seq
+        self._replay_timeout_ms = int(replay_timeout * 1000)
+        self._ctx = context or zmq.Context.instance()
+        self._expected: int | None = start_seq  # next sequence number to deliver
+        self._last_live: int | None = None
+        self._ready: deque[tuple[int, KVEventBatch]] = deque()
+        # Payload hashes of batches replay delivered ahead of the live stream: their live
+        # copies are duplicates only if they are the same bytes.
+        self._ahead: dict[int, int] = {}
+        self._ahead_order: deque[int] = deque()
+        self._stats = SubscriberStats()
+
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, hwm)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(self.endpoint)
+        self._replay: zmq.Socket | None = None
+        if self.replay_endpoint is not None:
+            self._replay = self._new_replay_socket()
+
+    # -- public API --------------------------------------------------------------------
+
+    def receive(self, timeout: float | None = None) -> tuple[int, KVEventBatch] | None:
+        """The next batch in order, or ``None`` if none is ready within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready:
+            wait_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sub.poll(wait_ms):
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            self._on_live(self._sub.recv_multipart())
+        return self._ready.popleft()
+
+    def __iter__(self) -> Iterator[tuple[int, KVEventBatch]]:
+        while True:
+            item = self.receive()
+            if item is not None:
+                yield item
+
+    def catch_up(self) -> int:
+        """Ask the replay endpoint for everything after the last delivered batch.
+
+        Useful when the stream goes quiet: a dropped *last* message leaves no gap to notice.
+        Returns how many batches became ready."""
+        before = len(self._ready)
+        if self._replay is not None:
+            start = self._expected if self._expected is not None else 0
+            self._repair(start, None)
+        return len(self._ready) - before
+
+    @property
+    def next_seq(self) -> int | None:
+        """The sequence number expected next (``None`` before the first batch if ``start_seq`` is ``None``)."""
+        return self._expected
+
+    def stats(self) -> SubscriberStats:
+        return SubscriberStats(**self._stats.as_dict())
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def __enter__(self) -> EventSubscriber:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _on_live(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._stats.malformed += 1
+            logger.warning("skipping malformed KV event message of %d frames", len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self._is_restart(seq, frames[2]):
+            self._stats.restarts += 1
+            logger.warning("KV event publisher restarted (live seq %d, expected %s)", seq, self._expected)
+            self._expected = self._start_seq
+            self._ahead.clear()
+            self._ahead_order.clear()
+        self._last_live = seq
+        while self._ahead_order and self._ahead_order[0] <= seq:
+            self._ahead.pop(self._ahead_order.popleft(), None)
+        if self._expected is None:
+            self._expected = seq
+        if seq > self._expected:
+            self._repair(self._expected, seq)
+        if seq < self._expected:
+            self._stats.duplicates += 1
+            return
+        self._deliver(seq, frames[2], live=True)
+
+    def _is_restart(self, seq: int, payload: bytes) -> bool:
+        # One publisher's live stream only goes up, so going back means a new publisher.
+        if self._last_live is not None and seq <= self._last_live:
+            return True
+        delivered = self._ahead.get(seq)
+        return delivered is not None and delivered != hash(payload)
+
+    def _deliver(self, seq: int, payload: bytes, live: bool) -> None:
+        self._expected = seq + 1
+        try:
+            batch = decode(payload)
+        except EventDecodeError as exc:
+            self._stats.malformed += 1
+            logger.warning("skipping KV event batch %d: %s", seq, exc)
+            return
+        self._stats.decoded += 1
+        if live:
+            self._stats.live += 1
+        else:
+            self._stats.replayed += 1
+        self._ready.append((seq, batch))
+
+    def _repair(self, start: int, until: int | None) -> None:
+        """Deliver replayed batches from ``start``; count as lost what misses below ``until``."""
+        if self._replay is not None and self._request_replay(start):
+            self._read_replay()
+        if until is not None and self._expected is not None and self._expected < until:
+            self._stats.lost += until - self._expected
+            self._expected = until
+
+    def _request_replay(self, start: int) -> bool:
+        assert self._replay is not None
+        self._stats.replay_requests += 1
+        try:
+            self._replay.send_multipart((b"", start.to_bytes(8, "big")), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            logger.warning("KV event replay endpoint %s is not reachable", self.replay_endpoint)
+            return False
+
+    def _read_replay(self) -> None:
+        sock = self._replay
+        assert sock is not None
+        while True:
+            if not sock.poll(self._replay_timeout_ms):
+                logger.warning("KV event replay from %s timed out", self.replay_endpoint)
+                # A late answer must not be mistaken for the next request's, so start afresh.
+                sock.close(linger=0)
+                self._replay = self._new_replay_socket()
+                return
+            frames = sock.recv_multipart()
+            if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
+                self._stats.malformed += 1
+                continue
+            if frames[2] == END_SEQ:
+                return
+            seq = int.from_bytes(frames[2], "big")
+            assert self._expected is not None
+            if seq < self._expected:
+                self._stats.duplicates += 1
+                continue
+            if seq > self._expected:
+                self._stats.lost += seq - self._expected  # fell out of the publisher's buffer
+            self._ahead[seq] = hash(frames[3])
+            self._ahead_order.append(seq)
+            if len(self._ahead_order) > _AHEAD_LIMIT:
+                self._ahead.pop(self._ahead_order.popleft(), None)
+            self._deliver(seq, frames[3], live=False)
+
+    def _new_replay_socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVHWM, 0)  # a replay reply may be the whole buffer
+        sock.setsockopt(zmq.LINGER, 0)
+        assert self.replay_endpoint is not None
+        sock.connect(self.replay_endpoint)
+        return sock
