@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("demo",)
+SUBCOMMANDS = ("demo", "events")
 
 
 def build_parser() -> argparse.ArgumentParser:

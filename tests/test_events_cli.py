@@ -1,0 +1,74 @@
+"""``kvoffload events tail`` against a real publisher, in-process and as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvoffload.cli import main
+from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, ZmqEventPublisher
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_tail_prints_one_line_per_event_and_counters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with ZmqEventPublisher(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", data_parallel_rank=0) as pub:
+        pub.publish([BlockStored([2**64 - 1, 5], 7, list(range(32)), 16, None, "CPU", None, group_idx=0)])
+        pub.publish([BlockRemoved([5], "CPU", group_idx=0), AllBlocksCleared()])
+        code = main(
+            ["events", "tail", f"ipc://{tmp_path}/pub", "--replay", f"ipc://{tmp_path}/replay",
+             "--from-start", "--max-batches", "2", "--timeout", "20"]
+        )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("seq=0 ") and "BlockStored medium=CPU group=0 blocks=2 block_size=16 tokens=32" in lines[0]
+    assert "parent=0000000000000007" in lines[0] and "hashes=ffffffffffffffff,0000000000000005" in lines[0]
+    assert lines[1].startswith("seq=1 ") and "BlockRemoved medium=CPU group=0 blocks=1" in lines[1]
+    assert lines[2].startswith("seq=1 ") and lines[2].endswith("AllBlocksCleared")
+    assert "batches=2 decoded=2" in err and "lost=0" in err and "malformed=0" in err
+
+
+def test_tail_timeout_exits_cleanly_without_a_publisher(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["events", "tail", f"ipc://{tmp_path}/none", "--timeout", "0.3"]) == 0
+    assert "batches=0 decoded=0" in capsys.readouterr().err
+
+
+def test_tail_rejects_a_bad_endpoint_naming_it() -> None:
+    with pytest.raises(SystemExit, match="'udp://x:1'"):
+        main(["events", "tail", "udp://x:1"])
+
+
+def test_tail_subprocess_prints_counters_on_ctrl_c(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/pub"
+    with ZmqEventPublisher(endpoint) as pub:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvoffload.cli", "events", "tail", endpoint],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            assert proc.stdout is not None
+            deadline = time.monotonic() + 30
+            line = ""
+            while "BlockRemoved" not in line and time.monotonic() < deadline:
+                pub.publish([BlockRemoved([1], "CPU")])
+                if select.select([proc.stdout], [], [], 0.2)[0]:
+                    line = proc.stdout.readline()
+            assert "BlockRemoved medium=CPU" in line
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=20)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "batches=" in err and "decoded=" in err and "lost=" in err
