@@ -5,13 +5,13 @@ tensor, device block ``device_rows[i]`` pairs with host sub-block ``host_rows[i]
 copies device -> host, a load host -> device. Executors raise on any error; the engine
 turns that into a failed result.
 
-* ``CPUExecutor`` (device tensors in host memory, e.g. vLLM's CPU build): gathers rows with
-  ``index_select`` into a small staging buffer and scatters them with ``index_copy_``,
-  a chunk of rows at a time. Torch has no fused row-to-row copy with indices on both
-  sides; a staging buffer that stays in cache (``chunk_bytes``, 1 MiB by default) keeps
-  the memory traffic at one read and one write per byte, like a plain copy. Rows are
-  viewed as the widest integer type that divides the page, which makes the per-element
-  index kernels several times faster than on bytes.
+* ``CPUExecutor`` (device tensors in host memory, e.g. vLLM's CPU build): rows are sorted
+  by destination. Where destinations form runs of at least 4 rows on average (whole
+  host blocks when F >= 4, freshly allocated consecutive ids), each run is one gather
+  straight into the destination. Otherwise rows are gathered into a cache-sized staging
+  buffer (``chunk_bytes``, 256 KiB by default) and scattered from it, a chunk at a
+  time: torch and numpy have no fused row copy with indices on both sides. Rows are
+  viewed as the widest integer type that divides the page (fewer, wider elements).
 * ``CUDAExecutor``: runs on a side stream per direction. Rows are sorted by host
   sub-block so that consecutive host rows form runs; the device side is gathered
   (store) or scattered (load) in one ``index_select`` / ``index_copy_`` on the device,
@@ -22,8 +22,11 @@ turns that into a failed result.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -46,36 +49,94 @@ def _widest_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     raise AssertionError("uint8 views always exist")
 
 
-class CPUExecutor:
-    """Vectorised gathers and scatters between host-resident tensors."""
+def _numpy_view(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> np.ndarray:
+    """A numpy view of ``tensor``, refusing tensors whose memory no longer backs them
+    (numpy would read or write freed memory without complaint)."""
+    end = tensor.storage_offset() + (tensor.shape[0] - 1) * tensor.stride(0) + tensor.shape[1]
+    if tensor.shape[0] and end > tensor.untyped_storage().nbytes():
+        raise RuntimeError(f"{name}: its memory was released or shrunk")
+    return tensor.view(dtype).numpy()
 
-    def __init__(self, layout: KVLayout, pool: HostBlockPool, chunk_bytes: int = 1 << 20) -> None:
-        self.views = [
-            _widest_views(layout.tensors[t], pool.sub_blocks(t)) for t in range(len(layout.tensors))
+
+class CPUExecutor:
+    """Vectorised row copies between host-resident tensors, with numpy on a thread pool."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        pool: HostBlockPool,
+        chunk_bytes: int = 256 << 10,
+        copy_threads: int | None = None,
+    ) -> None:
+        # numpy's take and fancy assignment run single-threaded without the GIL: a small
+        # pool of our own threads (shared by stores and loads) gives parallel copies
+        # without torch's intra-op pool, whose threads spin badly on a loaded machine.
+        # Views are made per job, so a tensor whose memory was released fails that job
+        # instead of being kept alive (or read after free).
+        self.layout, self.pool = layout, pool
+        self.dtypes = [
+            _widest_views(layout.tensors[t], pool.sub_blocks(t))[0].dtype for t in range(len(layout.tensors))
         ]
         max_page = max(layout.page_bytes(t) for t in range(len(layout.tensors)))
         self.chunk_bytes = max(int(chunk_bytes), max_page)
+        self.threads = copy_threads or min(8, os.cpu_count() or 1)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvoffload-copy")
+        self._local = threading.local()
 
-    def new_state(self) -> torch.Tensor:
-        """A staging buffer for one worker thread (8-byte aligned by the allocator)."""
-        return torch.empty(self.chunk_bytes, dtype=torch.uint8)
+    def new_state(self) -> None:
+        return None
 
-    def run(self, store: bool, pieces: Sequence[Piece], staging: torch.Tensor, ready=None) -> float:
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def run(self, store: bool, pieces: Sequence[Piece], state=None, ready=None) -> float:
         start = time.perf_counter()
+        tasks = []
         for tensor, device_rows, host_rows in pieces:
-            device, host = self.views[tensor]
-            src, dst = (device, host) if store else (host, device)
-            src_rows = torch.from_numpy(device_rows if store else host_rows)
-            dst_rows = torch.from_numpy(host_rows if store else device_rows)
-            width = src.shape[1]
-            step = max(1, self.chunk_bytes // (width * src.element_size()))
-            buffer = staging.view(src.dtype)[: step * width].view(step, width)
-            # Chunks of ~chunk_bytes: each chunk is two vectorised ops, not a row loop.
-            for lo in range(0, len(src_rows), step):
-                chunk = buffer[: len(src_rows[lo : lo + step])]
-                torch.index_select(src, 0, src_rows[lo : lo + step], out=chunk)
-                dst.index_copy_(0, dst_rows[lo : lo + step], chunk)
+            src_rows, dst_rows = (device_rows, host_rows) if store else (host_rows, device_rows)
+            order = np.argsort(dst_rows, kind="stable")
+            src_rows, dst_rows = src_rows[order], dst_rows[order]
+            # Few big tensors (cross-layer layouts): split rows so every thread works.
+            nbytes = len(dst_rows) * self.layout.page_bytes(tensor)
+            parts = 1 if len(pieces) >= self.threads else max(1, min(self.threads, nbytes // self.chunk_bytes))
+            bounds = np.linspace(0, len(dst_rows), parts + 1).astype(np.int64)
+            tasks.extend(
+                (store, tensor, src_rows[lo:hi], dst_rows[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])
+            )
+        futures = [self._pool.submit(self._copy, *task) for task in tasks]
+        wait(futures)  # all of them, so nothing still writes once the job is reported
+        for future in futures:
+            future.result()
         return time.perf_counter() - start
+
+    def _copy(self, store: bool, tensor: int, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
+        dtype = self.dtypes[tensor]
+        device = _numpy_view(self.layout.tensors[tensor], dtype, self.layout.names[tensor])
+        host = _numpy_view(self.pool.sub_blocks(tensor), dtype, f"host {self.layout.names[tensor]}")
+        src, dst = (device, host) if store else (host, device)
+        starts, lengths = _runs(dst_rows)
+        if len(starts) * _MIN_RUN <= len(dst_rows):
+            # Destination rows come in runs (e.g. whole host blocks): gather straight
+            # into each run, one pass over the bytes.
+            for s, n in zip(starts.tolist(), lengths.tolist()):
+                d = int(dst_rows[s])
+                np.take(src, src_rows[s : s + n], axis=0, out=dst[d : d + n])
+            return
+        # Scattered destinations: gather a cache-sized chunk, then scatter it. The chunk
+        # stays in cache, so memory sees one read and one write per byte.
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = np.empty(self.chunk_bytes // 8 + 1, dtype=np.int64)
+        width = src.shape[1]
+        step = max(1, self.chunk_bytes // (width * src.itemsize))
+        buffer = staging.view(np.uint8)[: step * width * src.itemsize].view(src.dtype).reshape(step, width)
+        for lo in range(0, len(src_rows), step):
+            chunk = buffer[: len(src_rows[lo : lo + step])]
+            np.take(src, src_rows[lo : lo + step], axis=0, out=chunk)
+            dst[dst_rows[lo : lo + step]] = chunk
+
+
+_MIN_RUN = 4  # average destination run length (rows) worth one op per run
 
 
 def _runs(sorted_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -95,6 +156,9 @@ class CUDAExecutor:
         self.layout = layout
         self.pool = pool
         self.device = layout.device
+
+    def close(self) -> None:
+        pass
 
     def new_state(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=self.device)

@@ -90,7 +90,16 @@ def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
 class TransferEngine:
     """Moves KV pages between ``layout``'s tensors and ``host_pool``, asynchronously."""
 
-    def __init__(self, layout: KVLayout, host_pool: HostBlockPool, *, chunk_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        host_pool: HostBlockPool,
+        *,
+        chunk_bytes: int = 256 << 10,
+        copy_threads: int | None = None,
+    ) -> None:
+        """``chunk_bytes`` and ``copy_threads`` (default: CPU count, at most 8) tune the
+        CPU executor; CUDA ignores them."""
         if host_pool.layout is not layout:
             raise ValueError("host_pool was built for a different layout")
         self.layout = layout
@@ -98,7 +107,7 @@ class TransferEngine:
         if layout.device.type == "cuda":
             self._executor: CPUExecutor | CUDAExecutor = CUDAExecutor(layout, host_pool)
         elif layout.device.type == "cpu":
-            self._executor = CPUExecutor(layout, host_pool, chunk_bytes)
+            self._executor = CPUExecutor(layout, host_pool, chunk_bytes, copy_threads)
         else:
             raise ValueError(f"unsupported device {layout.device} (cpu and cuda are)")
         self._lock = threading.Condition()
@@ -209,6 +218,7 @@ class TransferEngine:
             self._queues[direction].put(None)
         for thread in self._threads:
             thread.join()
+        self._executor.close()
 
     def __enter__(self) -> TransferEngine:
         return self
