@@ -17,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Union
 
 import msgspec
@@ -74,23 +75,30 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def _u64_hashes(hashes: list[BlockHashValue]) -> list[BlockHashValue]:
-    """``hashes`` with raw bytes converted; the same list when it is already all u64."""
+    """``hashes`` with raw bytes converted; the same list when it is already all ints."""
     if not hashes:
         return hashes
-    if set(map(type, hashes)) != {int}:
-        hashes = [h if type(h) is int else _one_u64(h) for h in hashes]
-    # min/max run in C: a cheap guard against negative or oversized ints.
-    low, high = min(hashes), max(hashes)
-    if low < 0 or high >= _U64_LIMIT:
-        bad = low if low < 0 else high
-        raise ValueError(f"block hash {bad!r} is outside the unsigned 64-bit range")
-    return hashes
+    try:
+        # One pass in C: min() of all ints is an int, of all bytes is bytes, and a mix of
+        # the two raises TypeError. Values of 2**64 and above are refused by the encoder.
+        lowest = min(hashes)
+    except TypeError:
+        return [_one_u64(h) for h in hashes]
+    if type(lowest) is int:
+        if lowest < 0:
+            raise ValueError(f"block hash {lowest!r} is outside the unsigned 64-bit range")
+        return hashes
+    if type(lowest) is bytes:
+        return [int.from_bytes(h[-8:], "big") for h in hashes]  # == external_hash(h)
+    return [_one_u64(h) for h in hashes]
 
 
 def _one_u64(value: Any) -> int:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return wire_hash(bytes(value), "u64")  # type: ignore[return-value]
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value < _U64_LIMIT:
+            raise ValueError(f"block hash {value!r} is outside the unsigned 64-bit range")
         return value
     raise TypeError(f"block hash must be int or bytes, got {value!r}")
 
@@ -102,13 +110,20 @@ def _with_u64_hashes(event: Any) -> Any:
     new_hashes = _u64_hashes(hashes)
     if type(event) is BlockStored:
         parent = event.parent_block_hash
-        new_parent = None if parent is None else _one_u64(parent)
-        if new_parent is not None and not 0 <= new_parent < _U64_LIMIT:
-            raise ValueError(f"parent block hash {new_parent!r} is outside the unsigned 64-bit range")
+        new_parent = parent if parent is None or type(parent) is int else _one_u64(parent)
         if new_hashes is hashes and new_parent is parent:
             return event
         return replace(event, block_hashes=new_hashes, parent_block_hash=new_parent)
     return event if new_hashes is hashes else replace(event, block_hashes=new_hashes)
+
+
+def _oversized_hash(batch: KVEventBatch) -> int | None:
+    """The first hash of ``batch`` at or above 2**64, to name it in the error."""
+    for event in batch.events:
+        for value in [*getattr(event, "block_hashes", ()), getattr(event, "parent_block_hash", None)]:
+            if type(value) is int and value >= _U64_LIMIT:
+                return value
+    return None
 
 
 class EventEncoder:
@@ -126,13 +141,20 @@ class EventEncoder:
             raise TypeError(f"expected a KVEventBatch, got {type(batch).__name__}: {batch!r}")
         events = batch.events
         if self.hash_format == "u64":
-            events = [_with_u64_hashes(e) for e in events]
-        if self.fmt == "map":
-            if events is not batch.events:
-                batch = KVEventBatch(batch.ts, events, batch.data_parallel_rank)
-            return self._encoder.encode(batch)
-        positional = [(type(e).__name__, *astuple(e)) for e in events]
-        return self._encoder.encode((batch.ts, positional, batch.data_parallel_rank))
+            converted = [_with_u64_hashes(e) for e in events]
+            if any(map(operator.is_not, converted, events)):
+                events = converted
+        try:
+            if self.fmt == "map":
+                if events is not batch.events:
+                    batch = KVEventBatch(batch.ts, events, batch.data_parallel_rank)
+                return self._encoder.encode(batch)
+            positional = [(type(e).__name__, *astuple(e)) for e in events]
+            return self._encoder.encode((batch.ts, positional, batch.data_parallel_rank))
+        except OverflowError:
+            culprit = _oversized_hash(batch)
+            what = "an integer in the batch" if culprit is None else f"block hash {culprit!r}"
+            raise ValueError(f"{what} is outside the unsigned 64-bit range") from None
 
 
 _MAP_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
