@@ -11,6 +11,8 @@ import importlib
 from kvoffload.policies.arc import ARCPolicy
 from kvoffload.policies.base import BlockStatus, CachePolicy
 from kvoffload.policies.lru import LRUPolicy
+from kvoffload.policies.s3fifo import S3FIFOPolicy
+from kvoffload.policies.wtinylfu import WTinyLFUPolicy
 
 _REGISTRY: dict[str, type[CachePolicy]] = {}
 
@@ -59,12 +61,16 @@ def resolve_policy(spec: str | type[CachePolicy]) -> type[CachePolicy]:
 
 register_policy(LRUPolicy)
 register_policy(ARCPolicy)
+register_policy(S3FIFOPolicy)
+register_policy(WTinyLFUPolicy)
 
 __all__ = [
     "ARCPolicy",
     "BlockStatus",
     "CachePolicy",
     "LRUPolicy",
+    "S3FIFOPolicy",
+    "WTinyLFUPolicy",
     "available_policies",
     "register_policy",
     "resolve_policy",

@@ -1,0 +1,137 @@
+"""Manager invariants under every registered eviction policy (hypothesis state machine).
+
+Random sequences of prepare_store / complete_store (success or failure) / lookup /
+prepare_load / complete_load / touch / reset against ``CPUOffloadingManager`` with events
+on, checked against a model of the contract: never more than ``num_blocks`` slots used;
+pinned and in-flight blocks never evicted; ``HIT`` exactly for completed, non-evicted
+keys; the event stream replayed from the start reproduces the set of loadable keys.
+Parametrised over ``available_policies()`` so every registered policy is covered.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.keys import make_offload_key
+from kvoffload.manager import LookupResult
+from kvoffload.policies import available_policies, resolve_policy
+
+POOL = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(10)]
+keys_st = st.lists(st.sampled_from(POOL), min_size=1, max_size=6)
+
+
+def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]:
+    class ManagerMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = CPUOffloadingManager(num_blocks, policy, enable_events=True)
+            self.ready: set[bytes] = set()
+            self.in_flight: set[bytes] = set()
+            self.pins: dict[bytes, int] = {}
+            self.loads: list[list[bytes]] = []
+            self.announced: set[bytes] = set()
+
+        @rule(keys=keys_st)
+        def prepare_store(self, keys):
+            before_used = self.m.stats().used
+            out = self.m.prepare_store(keys)
+            if out is None:
+                assert self.m.stats().used == before_used
+                return
+            present = self.ready | self.in_flight
+            new = [k for k in dict.fromkeys(keys) if k not in present]
+            assert set(out.keys_to_store) <= set(new)
+            if resolve_policy(policy).admits_all:
+                assert out.keys_to_store == new
+            for key in out.evicted_keys:
+                assert key in self.ready, "evicted a key that was not loadable"
+                assert self.pins.get(key, 0) == 0, "evicted a pinned key"
+                assert key not in keys, "evicted a key named in the call"
+                self.ready.discard(key)
+            self.in_flight |= set(out.keys_to_store)
+            assert len(out.store_spec.block_ids) == len(out.keys_to_store)
+
+        @rule(data=st.data(), success=st.booleans())
+        def complete_store(self, data, success):
+            keys = data.draw(st.lists(st.sampled_from(POOL), max_size=6))
+            self.m.complete_store(keys, success=success)
+            done = self.in_flight & set(keys)
+            self.in_flight -= done
+            if success:
+                self.ready |= done
+
+        @rule(key=st.sampled_from(POOL))
+        def lookup(self, key):
+            expected = (
+                LookupResult.HIT if key in self.ready
+                else LookupResult.PENDING if key in self.in_flight else LookupResult.MISS
+            )
+            assert self.m.lookup(key) is expected
+
+        @precondition(lambda self: self.ready)
+        @rule(data=st.data())
+        def prepare_load(self, data):
+            keys = data.draw(st.lists(st.sampled_from(sorted(self.ready)), min_size=1, max_size=4))
+            self.m.prepare_load(keys)
+            for key in keys:
+                self.pins[key] = self.pins.get(key, 0) + 1
+            self.loads.append(keys)
+
+        @precondition(lambda self: self.loads)
+        @rule(data=st.data())
+        def complete_load(self, data):
+            keys = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
+            self.m.complete_load(keys)
+            for key in keys:
+                self.pins[key] -= 1
+
+        @rule(keys=keys_st)
+        def touch(self, keys):
+            self.m.touch(keys)
+
+        @rule()
+        def reset(self):
+            self.m.reset()
+            self.ready.clear()
+            self.in_flight.clear()
+            self.pins.clear()
+            self.loads.clear()
+
+        @invariant()
+        def occupancy(self):
+            stats = self.m.stats()
+            assert stats.used <= num_blocks
+            assert stats.used == len(self.ready) + len(self.in_flight)
+            assert stats.in_flight == len(self.in_flight)
+
+        @invariant()
+        def hits_exactly_ready(self):
+            for key in POOL:
+                result = self.m.lookup(key)
+                assert (result is LookupResult.HIT) == (key in self.ready)
+                assert (result is LookupResult.PENDING) == (key in self.in_flight)
+
+        @invariant()
+        def events_reproduce_loadable(self):
+            for event in self.m.take_events():
+                if event.removed:
+                    self.announced -= set(event.keys)
+                else:
+                    self.announced |= set(event.keys)
+            assert self.announced == self.ready
+
+    ManagerMachine.__name__ = f"ManagerMachine_{policy}"
+    return ManagerMachine
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_manager_invariants(policy):
+    run_state_machine_as_test(
+        machine_for(policy),
+        settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow]),
+    )
