@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("demo", "events")
+SUBCOMMANDS = ("demo", "events", "sim")
 
 
 def build_parser() -> argparse.ArgumentParser:
