@@ -1,0 +1,82 @@
+"""In-process vLLM engines with and without kvoffload, for the demo, benchmarks and tests.
+
+``make_llm`` builds a ``vllm.LLM`` on the CPU build with prefix caching, ``sha256_cbor``
+block hashes, a KV cache of ``kv_cache_bytes`` and, when ``kvoffload`` is given, the
+``KVOffloadConnector`` with that extra config. ``close_llm`` shuts it down so another
+engine can start in the same process. Set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before
+importing vLLM to keep the engine in this process (faster start, reachable connector).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+CONNECTOR_MODULE = "kvoffload.integrations.vllm"
+
+
+def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that enables kvoffload with ``extra`` as its settings."""
+    return {
+        "kv_connector": "KVOffloadConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def make_llm(
+    model_path: str,
+    *,
+    kvoffload: dict[str, Any] | None = None,
+    kv_cache_bytes: int = 64 << 20,
+    block_size: int = 32,
+    max_model_len: int = 8192,
+    events_endpoint: str | None = None,
+    seed: int = 0,
+) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if kvoffload is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(kvoffload)
+    if events_endpoint is not None:
+        kwargs["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": events_endpoint,
+            "topic": "kv",
+        }
+    return LLM(
+        model=model_path,
+        tokenizer=model_path,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo="sha256_cbor",
+        kv_cache_memory_bytes=kv_cache_bytes,
+        disable_log_stats=False,  # per-request metrics (time to first token)
+        seed=seed,
+        **kwargs,
+    )
+
+
+def close_llm(llm: Any) -> None:
+    """Shut the engine down and release what would stop another from starting."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def worker_connector() -> Any:
+    """The worker-role ``KVOffloadConnector`` of the in-process engine (tests use it to
+    reach the host block pool)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()

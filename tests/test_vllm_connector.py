@@ -1,0 +1,181 @@
+"""End to end on a real vLLM engine (CPU build) with a tiny random Llama built offline."""
+
+import os
+import random
+import threading
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+pytest.importorskip("vllm")
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+from kvoffload.events.codec import decode  # noqa: E402
+from kvoffload.events.types import BlockRemoved, BlockStored  # noqa: E402
+from kvoffload.integrations.vllm.offline import close_llm, make_llm, worker_connector  # noqa: E402
+from kvoffload.integrations.vllm.tiny_model import build_tiny_llama  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "zeta"]
+PAGE_BYTES = 4 * 32 * 128 * 2  # one layer's page of one 32-token block (bf16)
+BLOCK_BYTES = 4 * PAGE_BYTES  # four layers
+
+
+def prompt(seed: int, n: int = 2000) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(WORDS) + " " for _ in range(n))[:n]  # byte tokenizer: n tokens
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+def generate(llm, text, max_tokens=8):
+    from vllm import SamplingParams
+
+    out = llm.generate([text], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+
+@pytest.fixture(scope="module")
+def baseline(model_path):
+    """Outputs of an engine without kvoffload."""
+    llm = make_llm(model_path)
+    try:
+        yield {seed: generate(llm, prompt(seed))[0] for seed in (1, 2)}
+    finally:
+        close_llm(llm)
+
+
+class Subscriber:
+    """Collects every batch a vLLM engine publishes. vLLM's publisher connects to a
+    concrete tcp address (it binds only wildcard ones), so the subscriber binds."""
+
+    def __init__(self):
+        self.events = []
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            if self._sock.poll(50):
+                _topic, _seq, payload = self._sock.recv_multipart()
+                self.events.extend(decode(payload).events)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def drain(llm, sub):
+    import time
+
+    deadline = time.time() + 5
+    n = -1
+    while time.time() < deadline and n != len(sub.events):
+        n = len(sub.events)
+        time.sleep(0.3)
+
+
+def test_prefix_served_from_cpu_tier_matches_recomputation(model_path, baseline):
+    sub = Subscriber()
+    llm = make_llm(
+        model_path,
+        kvoffload={"cpu_bytes_to_use": 256 << 20, "block_size": 64},
+        events_endpoint=f"tcp://127.0.0.1:{sub.port}",
+    )
+    try:
+        text = prompt(1)
+        out, cached = generate(llm, text)
+        assert out == baseline[1] and cached == 0
+        assert llm.reset_prefix_cache()
+        out, cached = generate(llm, text)
+        # 31 offloaded blocks of 64 tokens; the engine computes the rest itself
+        assert cached == 31 * 64
+        assert out == baseline[1]
+        drain(llm, sub)
+        gpu = {}
+        for e in sub.events:
+            if isinstance(e, BlockStored) and e.medium == "GPU":
+                for i, h in enumerate(e.block_hashes):
+                    gpu[h] = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
+        cpu = [e for e in sub.events if isinstance(e, BlockStored) and e.medium == "CPU"]
+        assert sum(len(e.block_hashes) for e in cpu) == 31
+        for e in cpu:
+            assert e.block_size == 64 and e.group_idx == 0
+            assert len(e.token_ids) == 64 * len(e.block_hashes)
+            for i, h in enumerate(e.block_hashes):
+                # an offloaded block is named by the GPU hash of its last device block,
+                # and holds the tokens of its two device blocks
+                assert h in gpu
+                assert e.token_ids[i * 64 + 32 : (i + 1) * 64] == gpu[h]
+        # the tiny model's tokenizer maps byte b to token b + 3
+        assert [t for e in cpu for t in e.token_ids] == [b + 3 for b in text.encode()][: 31 * 64]
+
+        # Corrupt the host copies: the next load must change the output.
+        pool = worker_connector()._worker.engine.host_pool
+        gen = torch.Generator().manual_seed(0)
+        for t in pool.tensors:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+        assert llm.reset_prefix_cache()
+        out, cached = generate(llm, text)
+        assert cached == 31 * 64
+        assert out != baseline[1]
+    finally:
+        close_llm(llm)
+        sub.close()
+
+
+def test_cpu_tier_evictions_are_published(model_path, baseline):
+    sub = Subscriber()
+    # room for 100 blocks of 32 tokens: two 62-block prompts do not fit together
+    llm = make_llm(
+        model_path,
+        kvoffload={"cpu_bytes_to_use": 100 * BLOCK_BYTES, "eviction_policy": "arc"},
+        events_endpoint=f"tcp://127.0.0.1:{sub.port}",
+    )
+    try:
+        assert generate(llm, prompt(1))[0] == baseline[1]
+        assert generate(llm, prompt(2))[0] == baseline[2]
+        drain(llm, sub)
+        removed = [h for e in sub.events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes]
+        stored = [h for e in sub.events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes]
+        assert len(stored) == 124 and len(removed) == 24
+        assert set(removed) <= set(stored)
+        assert llm.reset_prefix_cache()
+        # the first prompt lost 24 of its blocks: only its surviving head is loadable
+        out, cached = generate(llm, prompt(1))
+        assert out == baseline[1]
+        assert cached < 62 * 32
+    finally:
+        close_llm(llm)
+        sub.close()
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": -5}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 1 << 20, "block_size": 48}, "block_size"),
+        ({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "nope"}, "eviction_policy"),
+        ({"cpu_bytes_to_use": 1 << 20, "kv_events": "loud"}, "kv_events"),
+    ],
+)
+def test_bad_extra_config_fails_engine_start(model_path, extra, key):
+    with pytest.raises(Exception, match=key):
+        llm = make_llm(model_path, kvoffload=extra)
+        close_llm(llm)
