@@ -1,0 +1,1 @@
+"""Adapters that plug kvoffload into serving engines (one subpackage per engine)."""
