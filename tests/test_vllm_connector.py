@@ -16,14 +16,12 @@ import zmq  # noqa: E402
 
 from kvoffload.events.codec import decode  # noqa: E402
 from kvoffload.events.types import BlockRemoved, BlockStored  # noqa: E402
-from kvoffload.integrations.vllm.offline import close_llm, make_llm, worker_connector  # noqa: E402
+from kvoffload.integrations.vllm.offline import close_llm, kv_block_bytes, make_llm, worker_connector  # noqa: E402
 from kvoffload.integrations.vllm.tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "zeta"]
-PAGE_BYTES = 4 * 32 * 128 * 2  # one layer's page of one 32-token block (bf16)
-BLOCK_BYTES = 4 * PAGE_BYTES  # four layers
 
 
 def prompt(seed: int, n: int = 2000) -> str:
@@ -144,7 +142,7 @@ def test_cpu_tier_evictions_are_published(model_path, baseline):
     # room for 100 blocks of 32 tokens: two 62-block prompts do not fit together
     llm = make_llm(
         model_path,
-        kvoffload={"cpu_bytes_to_use": 100 * BLOCK_BYTES, "eviction_policy": "arc"},
+        kvoffload={"cpu_bytes_to_use": 100 * kv_block_bytes(model_path), "eviction_policy": "arc"},
         events_endpoint=f"tcp://127.0.0.1:{sub.port}",
     )
     try:

@@ -1,6 +1,6 @@
 """The request lifecycle of offloading: which blocks to load and store each step."""
 
-from kvoffload.scheduler.core import OffloadingScheduler
+from kvoffload.scheduler.core import OffloadingScheduler, SchedulerStats
 from kvoffload.scheduler.events import EVENT_MODES, EventConverter
 from kvoffload.scheduler.types import KVGroup, RequestView, StepPlan, StepRequest, TransferJob
 
@@ -10,6 +10,7 @@ __all__ = [
     "KVGroup",
     "OffloadingScheduler",
     "RequestView",
+    "SchedulerStats",
     "StepPlan",
     "StepRequest",
     "TransferJob",

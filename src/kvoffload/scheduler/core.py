@@ -41,6 +41,17 @@ from kvoffload.transfer.specs import DeviceLoadStoreSpec
 
 
 @dataclass
+class SchedulerStats:
+    """Counters since creation: tokens handed to the engine from the tier, blocks moved."""
+
+    tokens_loaded: int = 0
+    blocks_loaded: int = 0
+    blocks_stored: int = 0
+    failed_loads: int = 0
+    failed_stores: int = 0
+
+
+@dataclass
 class _Job:
     req_id: str
     is_store: bool
@@ -97,6 +108,7 @@ class OffloadingScheduler:
         self._hold: dict[str, list[int]] = {}
         self._flush: dict[str, list[int]] = {}
         self._freeable: set[str] = set()
+        self.stats = SchedulerStats()
 
     # -- matching ----------------------------------------------------------------------
 
@@ -156,6 +168,7 @@ class OffloadingScheduler:
             sizes.append(len(ids))
             indices.append(first_device)
         host_spec = self.manager.prepare_load(keys)
+        self.stats.tokens_loaded += num_external_tokens
         job = self._new_job(req_id, False, keys)
         self._pending_loads.append(
             TransferJob(job, req_id, False, host_spec, DeviceLoadStoreSpec(device_ids, sizes, indices))
@@ -230,10 +243,17 @@ class OffloadingScheduler:
                 raise KeyError(f"unknown transfer job {job_id}")
             if job.is_store:
                 self.manager.complete_store(job.keys, success)
-                if not success:
+                if success:
+                    self.stats.blocks_stored += len(job.keys)
+                else:
+                    self.stats.failed_stores += 1
                     self._events.forget(job.keys)
             else:
                 self.manager.complete_load(job.keys)
+                if success:
+                    self.stats.blocks_loaded += len(job.keys)
+                else:
+                    self.stats.failed_loads += 1
             state = self._requests.get(job.req_id)
             if state is not None:
                 state.jobs.discard(job_id)

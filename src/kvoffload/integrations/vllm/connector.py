@@ -107,6 +107,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         return self._scheduler_side().reset_cache()
 
+    def offload_stats(self):
+        """The offloading scheduler's counters (``SchedulerStats``), scheduler role only."""
+        return self._scheduler_side().scheduler.stats
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         return None

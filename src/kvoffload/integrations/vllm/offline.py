@@ -1,7 +1,9 @@
 """In-process vLLM engines with and without kvoffload, for the demo, benchmarks and tests.
 
 ``make_llm`` builds a ``vllm.LLM`` on the CPU build with prefix caching, ``sha256_cbor``
-block hashes, a KV cache of ``kv_cache_bytes`` and, when ``kvoffload`` is given, the
+block hashes, float32 compute (bf16 is emulated and slow on CPUs without AMX, and float32
+makes greedy outputs independent of how a prefill is chunked), a KV cache of
+``kv_cache_bytes`` and, when ``kvoffload`` is given, the
 ``KVOffloadConnector`` with that extra config. ``close_llm`` shuts it down so another
 engine can start in the same process. Set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before
 importing vLLM to keep the engine in this process (faster start, reachable connector).
@@ -10,6 +12,8 @@ importing vLLM to keep the engine in this process (faster start, reachable conne
 from __future__ import annotations
 
 import gc
+import json
+from pathlib import Path
 from typing import Any
 
 CONNECTOR_MODULE = "kvoffload.integrations.vllm"
@@ -25,6 +29,14 @@ def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def kv_block_bytes(model_path: str, block_size: int = 32, dtype_bytes: int = 4) -> int:
+    """Bytes of one KV-cache block of a Llama-style model (all layers, K and V)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * heads * head_dim * 2 * block_size * dtype_bytes
+
+
 def make_llm(
     model_path: str,
     *,
@@ -34,6 +46,7 @@ def make_llm(
     max_model_len: int = 8192,
     events_endpoint: str | None = None,
     seed: int = 0,
+    dtype: str = "float32",
 ) -> Any:
     from vllm import LLM
 
@@ -58,6 +71,7 @@ def make_llm(
         kv_cache_memory_bytes=kv_cache_bytes,
         disable_log_stats=False,  # per-request metrics (time to first token)
         seed=seed,
+        dtype=dtype,
         **kwargs,
     )
 
@@ -75,8 +89,14 @@ def close_llm(llm: Any) -> None:
 
 
 def worker_connector() -> Any:
-    """The worker-role ``KVOffloadConnector`` of the in-process engine (tests use it to
-    reach the host block pool)."""
+    """The worker-role ``KVOffloadConnector`` of the in-process engine (it holds the host
+    block pool)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group()
+
+
+def scheduler_connector(llm: Any) -> Any:
+    """The scheduler-role ``KVOffloadConnector`` of an in-process engine (or ``None``)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.get_kv_connector()
