@@ -43,7 +43,7 @@ def make_llm(
     kvoffload: dict[str, Any] | None = None,
     kv_cache_bytes: int = 64 << 20,
     block_size: int = 32,
-    max_model_len: int = 8192,
+    max_model_len: int = 4096,
     events_endpoint: str | None = None,
     seed: int = 0,
     dtype: str = "float32",
