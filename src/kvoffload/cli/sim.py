@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--capacities",
         default=DEFAULT_CAPACITIES,
         help="comma-separated host sizes: '5%%' or '0.05' of the unique blocks, '2000' blocks, "
-        f"or bytes like '8GiB' (default {DEFAULT_CAPACITIES})",
+        "or bytes like '8GiB' (default " + DEFAULT_CAPACITIES.replace("%", "%%") + ")",
     )
     p.add_argument("--device-blocks", type=int, default=0, help="engine prefix cache in front, in blocks (default 0: none)")
     p.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE, help="tokens per block of a trace file (default 512)")
