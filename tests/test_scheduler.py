@@ -240,3 +240,37 @@ def test_configuration_errors_name_the_value():
         OffloadingScheduler(manager, [KVGroup(4)], 4, kv_events="loud")
     with pytest.raises(ValueError, match="block_size"):
         KVGroup(0)
+
+
+def test_sliding_window_null_blocks_are_neither_stored_nor_loaded():
+    manager = CPUOffloadingManager(64, enable_events=True)
+    sched = OffloadingScheduler(
+        manager, [KVGroup(4), KVGroup(4, "sliding_window", 8)], hash_block_size=4, null_block_id=0
+    )
+    a = Req("a", list(range(16)))
+    sched.match(a, 0)
+    # the sliding-window group already dropped its first two blocks (null block 0)
+    sched.on_allocated("a", [[1, 2, 3, 4], [0, 0, 7, 8]], 0)
+    (store,) = sched.build_step([StepRequest("a", None, 16)]).stores
+    assert store.src_spec.group_sizes.tolist() == [4, 2]
+    assert store.src_spec.block_ids.tolist() == [1, 2, 3, 4, 7, 8]
+    assert store.src_spec.block_indices.tolist() == [0, 2]
+    sched.complete_jobs([(store.job_id, True)])
+    sched.request_finished("a")
+    # store the sliding-window group's first blocks too (as a request that ran them would)
+    c = Req("c", list(range(16)))
+    sched.match(c, 0)
+    sched.on_allocated("c", [[11, 12, 13, 14], [15, 16, 17, 18]], 0)
+    (store,) = sched.build_step([StepRequest("c", None, 16)]).stores
+    assert store.src_spec.block_ids.tolist() == [15, 16]
+    sched.complete_jobs([(store.job_id, True)])
+    sched.request_finished("c")
+    b = Req("b", list(range(16)) + [1])
+    assert sched.match(b, 0) == 16
+    # the engine gives the window's blocks only; the load skips the null positions
+    sched.on_allocated("b", [[21, 22, 23, 24, 25], [0, 0, 27, 28, 29]], 16)
+    (load,) = sched.build_step([]).loads
+    assert load.dst_spec.group_sizes.tolist() == [4, 2]
+    assert load.dst_spec.block_ids.tolist() == [21, 22, 23, 24, 27, 28]
+    assert load.dst_spec.block_indices.tolist() == [0, 2]
+    assert len(load.src_spec.block_ids) == 6

@@ -9,7 +9,8 @@ Blocks. Each KV-cache group ``g`` has a device block size ``B_g``; an offloaded 
 request hashes are chained hashes of ``hash_block_size``-token blocks; offloaded block
 ``j`` of group ``g`` is keyed by the hash that ends at token ``(j + 1) * T_g`` (a chained
 hash names its whole prefix) and the group index. Only whole offloaded blocks are
-offloaded; the trailing partial block never is.
+offloaded; the trailing partial block never is. Device blocks equal to ``null_block_id``
+(what engines put outside a sliding window) are never stored or loaded.
 
 Request lifecycle:
 
@@ -80,6 +81,7 @@ class OffloadingScheduler:
         blocks_per_offload_block: int = 1,
         kv_events: str = "self_describing",
         hasher: BlockHasher | None = None,
+        null_block_id: int | None = None,
     ) -> None:
         if not groups:
             raise ValueError("at least one KV-cache group is needed")
@@ -94,6 +96,7 @@ class OffloadingScheduler:
                     f"is not a multiple of the hash block size {hash_block_size}"
                 )
         self.manager = manager
+        self.null_block_id = null_block_id
         self.groups = list(groups)
         self.factor = blocks_per_offload_block
         self.hash_block_size = hash_block_size
@@ -160,9 +163,9 @@ class OffloadingScheduler:
         indices: list[int] = []
         for g, tokens in enumerate(self._tokens):
             block_size = self.groups[g].block_size
-            first, last = num_computed_tokens // tokens, -(-end_tokens // tokens)
-            keys += self._keys(hashes, g, first, last)
-            first_device = num_computed_tokens // block_size
+            last = -(-end_tokens // tokens)
+            first_device = self._first_present(state.block_ids[g], num_computed_tokens // block_size, last * self.factor)
+            keys += self._keys(hashes, g, first_device // self.factor, last)
             ids = state.block_ids[g][first_device : last * self.factor]
             device_ids += ids
             sizes.append(len(ids))
@@ -209,7 +212,12 @@ class OffloadingScheduler:
             end = min(num_computed_tokens // tokens, self._num_full(hashes, g), len(state.block_ids[g]) // self.factor)
             if end <= start:
                 continue
-            candidates += [(g, j, key) for j, key in zip(range(start, end), self._keys(hashes, g, start, end))]
+            device = state.block_ids[g]
+            candidates += [
+                (g, j, key)
+                for j, key in zip(range(start, end), self._keys(hashes, g, start, end))
+                if self.null_block_id not in device[j * self.factor : (j + 1) * self.factor]
+            ]
             state.stored_blocks[g] = end
         if not candidates:
             return None
@@ -320,6 +328,15 @@ class OffloadingScheduler:
         if hashes is None:  # an engine that does not hash: hash the tokens ourselves
             hashes = self._hasher.hash_request(request.all_token_ids, self.hash_block_size)
         return hashes
+
+    def _first_present(self, device_ids: Sequence[int], start: int, end: int) -> int:
+        """The first index in ``[start, end)`` whose device block is not the null block.
+
+        Engines give sliding-window groups the null block for positions outside the
+        window: those are neither stored nor loaded."""
+        while start < end and start < len(device_ids) and device_ids[start] == self.null_block_id:
+            start += 1
+        return start
 
     def _num_full(self, hashes: Sequence[bytes], g: int) -> int:
         return len(hashes) * self.hash_block_size // self._tokens[g]

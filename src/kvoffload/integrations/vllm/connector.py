@@ -83,6 +83,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler role ------------------------------------------------------------------
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        null = gpu_block_pool.null_block.block_id
+        if self._scheduler is not None and null != self._scheduler.scheduler.null_block_id:
+            raise ValueError(f"vLLM's null block is {null}, kvoffload assumed {self._scheduler.scheduler.null_block_id}")
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 from vllm.distributed import kv_events as vllm_events
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
@@ -23,14 +23,24 @@ from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWor
 from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
 
 
+# vLLM's block pool hands out block 0 as its null block, the placeholder for positions
+# outside a sliding window.
+NULL_BLOCK_ID = 0
+
+
 def _kv_groups(kv_cache_config: KVCacheConfig) -> list[KVGroup]:
     groups = []
-    for group in kv_cache_config.kv_cache_groups:
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
             groups.append(KVGroup(spec.block_size, "sliding_window", spec.sliding_window))
-        else:
+        elif isinstance(spec, FullAttentionSpec):
             groups.append(KVGroup(spec.block_size))
+        else:
+            raise ValueError(
+                f"KVOffloadConnector supports full-attention and sliding-window KV-cache groups; "
+                f"group {g} is {type(spec).__name__}"
+            )
     return groups
 
 
@@ -51,6 +61,7 @@ class SchedulerSide:
             hash_block_size=hash_block_size,
             blocks_per_offload_block=config.blocks_per_offload_block,
             kv_events=config.kv_events,
+            null_block_id=NULL_BLOCK_ID,
         )
         self._num_workers = vllm_config.parallel_config.world_size
         self._reports: dict[int, tuple[int, bool]] = {}
