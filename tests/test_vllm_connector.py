@@ -177,3 +177,30 @@ def test_bad_extra_config_fails_engine_start(model_path, extra, key):
     with pytest.raises(Exception, match=key):
         llm = make_llm(model_path, kvoffload=extra)
         close_llm(llm)
+
+
+def test_hybrid_sliding_window_model_two_kv_groups(tmp_path):
+    """A model with sliding-window and full-attention layers: two KV-cache groups, the
+    sliding-window one with null blocks outside its window."""
+    path = str(build_tiny_llama(tmp_path / "hybrid", sliding_window=64))
+    text = prompt(3)
+    llm = make_llm(path)
+    try:
+        expected, _ = generate(llm, text)
+    finally:
+        close_llm(llm)
+    llm = make_llm(path, kvoffload={"cpu_bytes_to_use": 256 << 20})
+    try:
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == ["FullAttentionSpec", "SlidingWindowSpec"]
+        assert generate(llm, text) == (expected, 0)
+        assert llm.reset_prefix_cache()
+        assert generate(llm, text) == (expected, 62 * 32)
+        pool = worker_connector()._worker.engine.host_pool
+        for t in pool.tensors:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+        assert llm.reset_prefix_cache()
+        out, cached = generate(llm, text)
+        assert cached == 62 * 32 and out != expected
+    finally:
+        close_llm(llm)

@@ -65,8 +65,12 @@ def tiny_llama_spec(
     seed: int = 0,
     dtype: str = "bfloat16",
     initializer_range: float = 0.1,
+    sliding_window: int | None = None,
 ) -> dict[str, Any]:
-    """Validate the build arguments and return them as the build's identity."""
+    """Validate the build arguments and return them as the build's identity.
+
+    With ``sliding_window`` the model is a hybrid Gemma-3 text model instead: layers
+    alternate sliding-window and full attention, so vLLM gives it two KV-cache groups."""
     for name, value in (
         ("num_layers", num_layers),
         ("hidden_size", hidden_size),
@@ -103,6 +107,8 @@ def tiny_llama_spec(
         raise ValueError(f"seed must be an integer, got {seed!r}")
     if not initializer_range > 0:
         raise ValueError(f"initializer_range must be > 0, got {initializer_range!r}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
     return {
         "format": _FORMAT_VERSION,
         "num_layers": num_layers,
@@ -115,6 +121,7 @@ def tiny_llama_spec(
         "seed": seed,
         "dtype": dtype,
         "initializer_range": float(initializer_range),
+        "sliding_window": sliding_window,
     }
 
 
@@ -188,7 +195,7 @@ def _write_build(out: Path, spec: dict[str, Any]) -> None:
 
     out.mkdir(parents=True)
     pad_id, bos_id, eos_id = 0, 1, 2
-    config = LlamaConfig(
+    model_cls, config = (_hybrid_config(spec) if spec["sliding_window"] else (LlamaForCausalLM, LlamaConfig(
         vocab_size=spec["vocab_size"],
         hidden_size=spec["hidden_size"],
         intermediate_size=spec["intermediate_size"],
@@ -203,11 +210,11 @@ def _write_build(out: Path, spec: dict[str, Any]) -> None:
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         dtype=spec["dtype"],
-    )
+    )))
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec["seed"])
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
     finally:
         torch.random.set_rng_state(generator_state)
     model = model.to(getattr(torch, spec["dtype"]))
@@ -220,6 +227,34 @@ def _write_build(out: Path, spec: dict[str, Any]) -> None:
         item.chmod(0o644)  # the weights are written private; a shared cache needs them readable
     # Written last: its presence marks a complete build.
     (out / MARKER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+
+def _hybrid_config(spec: dict[str, Any]) -> tuple[type, Any]:
+    """A Gemma-3 text model whose layers alternate sliding-window and full attention."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    head_dim = spec["hidden_size"] // spec["num_heads"]
+    config = Gemma3TextConfig(
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=spec["sliding_window"],
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec["num_layers"])],
+        max_position_embeddings=spec["max_position_embeddings"],
+        # Gemma scales embeddings by sqrt(hidden): a wider init keeps greedy outputs varied.
+        initializer_range=spec["initializer_range"] * 3,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype=spec["dtype"],
+    )
+    return Gemma3ForCausalLM, config
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -289,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=_DTYPES, default=defaults["dtype"])
     parser.add_argument(
         "--initializer-range", type=float, default=defaults["initializer_range"]
+    )
+    parser.add_argument(
+        "--sliding-window", type=int, default=None, help="build a hybrid sliding-window/full-attention model"
     )
     args = vars(parser.parse_args(argv))
     path = args.pop("path")
