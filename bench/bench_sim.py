@@ -1,6 +1,6 @@
 """Hit ratio of every eviction policy and of Belady's offline optimum (with bypass) at 1%,
 5%, 10% and 25% of the unique blocks, on the Mooncake conversation trace and on the
-built-in ``agentic`` and ``documents`` workloads, plus replay speed in requests per second.
+built-in ``agentic``, ``documents`` and ``chat`` workloads, plus replay speed in requests per second.
 
 Replay protocol (``kvoffload.sim.replay``), per request: look up its keys in the host tier
 until the first non-hit, touch all of them, load the hit prefix (prepare and complete),
@@ -33,7 +33,7 @@ def main() -> int:
         traces.append(("conversation (Mooncake)", read_trace(TRACE)))
     else:
         print(f"(skipping the Mooncake trace: {TRACE} not found)", file=sys.stderr)
-    traces += [(f"{name} (generated, seed 0)", builtin_workload(name)) for name in ("agentic", "documents")]
+    traces += [(f"{name} (generated, seed 0)", builtin_workload(name)) for name in ("agentic", "documents", "chat")]
     policies = [*available_policies(), "belady"]
     print("| workload | policy | 1% | 5% | 10% | 25% | requests/s (slowest size) |")
     print("|---|---|---:|---:|---:|---:|---:|")

@@ -12,6 +12,7 @@ from kvoffload.policies.arc import ARCPolicy
 from kvoffload.policies.base import BlockStatus, CachePolicy
 from kvoffload.policies.lru import LRUPolicy
 from kvoffload.policies.s3fifo import S3FIFOPolicy
+from kvoffload.policies.turnlru import TurnLRUPolicy
 from kvoffload.policies.wtinylfu import WTinyLFUPolicy
 
 _REGISTRY: dict[str, type[CachePolicy]] = {}
@@ -63,6 +64,7 @@ register_policy(LRUPolicy)
 register_policy(ARCPolicy)
 register_policy(S3FIFOPolicy)
 register_policy(WTinyLFUPolicy)
+register_policy(TurnLRUPolicy)
 
 __all__ = [
     "ARCPolicy",
@@ -70,6 +72,7 @@ __all__ = [
     "CachePolicy",
     "LRUPolicy",
     "S3FIFOPolicy",
+    "TurnLRUPolicy",
     "WTinyLFUPolicy",
     "available_policies",
     "register_policy",

@@ -1,0 +1,207 @@
+"""Turn-aware LRU: recency, plus a measured head start for conversations that came back.
+
+The idea. In prefix-cached serving the unit of reuse is a conversation (or a session):
+a request either comes back as the next turn, hitting the previous turn's prefix, or
+never. Conversations that already came back are more likely to come back again, and the
+time they need to be held for that is the typical gap between turns, a property of the
+traffic rather than of the cache size. So every request gets a *turn level*: 0 when it
+reuses nothing beyond its first block, ``l + 1`` when its reused prefix (at least two
+leading blocks, resident or remembered) ends in a block stored by a level-``l`` request,
+capped at ``levels - 1``. A block's level is the highest level of any request that used
+it, and eviction takes the lowest
+
+    priority = time of last use + level x G
+
+where time counts requests (``touch`` calls) and ``G`` is the
+measured turn gap: a moving average (weight ``gap_weight``) of the time between a
+returning request and the last use of its prefix's deepest block. Within one level this
+is plain LRU; across levels a conversation that has come back ``l`` times keeps its
+blocks ``l`` gaps longer than a new one.
+
+Two more rules:
+
+* a request's final block is usually partial, and a partial block's id never recurs (the
+  next turn's block at that position holds more tokens), so when a store ends with the
+  final key of the request just touched, that key goes to a separate queue that is
+  evicted first;
+* a ghost list remembers the level and last-use time of the ``ghost_factor x capacity``
+  most recently evicted keys, so a conversation whose blocks were evicted still counts as
+  returning (and its gap is still measured) when it comes back.
+
+The fixed configuration, the same for every trace and capacity: ``levels=4``,
+``gap_weight=0.01``, ``ghost_factor=3``. The only scale, ``G``, is measured online.
+
+Mapping onto the tier protocol: ``touch`` sees a request's keys just before the manager
+stores the missing ones with ``insert_many``; the policy remembers that request's level
+and applies it to the keys stored next if they belong to it (other keys get level 0).
+``touch`` walks the keys in reverse so a prefix's head is used last, and evicted last
+within its level. Keys in flight or pinned, and keys the caller protects, are skipped.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+from kvoffload.keys import OffloadKey
+from kvoffload.policies.base import BlockStatus, CachePolicy
+
+
+class TurnLRUPolicy(CachePolicy):
+    name = "turnlru"
+
+    def __init__(
+        self, capacity: int, levels: int = 4, gap_weight: float = 0.01, ghost_factor: float = 3.0
+    ) -> None:
+        super().__init__(capacity)
+        if not isinstance(levels, int) or levels < 1:
+            raise ValueError(f"levels must be a positive int, got {levels!r}")
+        if not 0.0 < gap_weight <= 1.0:
+            raise ValueError(f"gap_weight must be in (0, 1], got {gap_weight!r}")
+        if ghost_factor < 0:
+            raise ValueError(f"ghost_factor must be non-negative, got {ghost_factor!r}")
+        self.levels = levels
+        self.gap_weight = gap_weight
+        self.ghost_limit = int(ghost_factor * capacity)
+        # One recency queue per level (key -> (status, time of last use)), then the queue
+        # of final blocks, evicted first.
+        self._queues: list[OrderedDict[OffloadKey, tuple[BlockStatus, int]]] = [
+            OrderedDict() for _ in range(levels + 1)
+        ]
+        self._level: dict[OffloadKey, int] = {}  # resident key -> its queue index
+        self._birth: dict[OffloadKey, int] = {}  # resident key -> level it was stored at
+        self._ghost: OrderedDict[OffloadKey, tuple[int, int]] = OrderedDict()  # level, time
+        self._clock = 0
+        self._gap: float | None = None
+        self._request: Sequence[OffloadKey] = ()
+        self._request_level = 0
+
+    @property
+    def turn_gap(self) -> float | None:
+        """The measured gap between turns, in requests (``None`` before the first return)."""
+        return self._gap
+
+    # -- bookkeeping ---------------------------------------------------------------
+
+    def insert(self, key: OffloadKey, status: BlockStatus) -> None:
+        self.insert_many([key], [status])
+
+    def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
+        request = self._request
+        members = set(request) if request else ()
+        queues, levels, ghost, clock = self._queues, self._level, self._ghost, self._clock
+        births = self._birth
+        for key, status in zip(keys, statuses):
+            old = levels.get(key)
+            if old is not None:
+                del queues[old][key]
+            level = self._request_level if key in members else 0
+            queues[level][key] = (status, clock)
+            levels[key] = level
+            births[key] = level
+            ghost.pop(key, None)
+        if keys and request and keys[-1] == request[-1]:
+            last = keys[-1]
+            entry = queues[levels[last]].pop(last)
+            queues[self.levels][last] = entry
+            levels[last] = self.levels
+
+    def remove(self, key: OffloadKey) -> None:
+        level = self._level.pop(key, None)
+        if level is not None:
+            del self._queues[level][key]
+            del self._birth[key]
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        self._clock += 1
+        clock = self._clock
+        queues, levels, ghost = self._queues, self._level, self._ghost
+        # Leading keys known (resident or remembered): the request's reuse depth.
+        depth = 0
+        deepest: tuple[int, int] | None = None
+        for key in keys:
+            queue = levels.get(key)
+            if queue is not None:
+                deepest = (self._birth[key], queues[queue][key][1])
+            elif key in ghost:
+                deepest = ghost[key]
+            else:
+                break
+            depth += 1
+        if depth >= 2 and deepest is not None:
+            level, last_use = deepest
+            self._request_level = min(self.levels - 1, level + 1)
+            gap = clock - last_use
+            if self._gap is None:
+                self._gap = float(gap)
+            else:
+                self._gap += self.gap_weight * (gap - self._gap)
+        else:
+            self._request_level = 0
+        self._request = keys
+        request_level = self._request_level
+        for key in reversed(keys):
+            queue = levels.get(key)
+            if queue is None:
+                continue
+            status = queues[queue].pop(key)[0]
+            level = max(0 if queue == self.levels else queue, request_level)
+            queues[level][key] = (status, clock)
+            levels[key] = level
+
+    # -- eviction ------------------------------------------------------------------
+
+    def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
+        queues = self._queues
+        step = self._gap or 0.0
+        iterators = [iter(queue.items()) for queue in queues]
+        heads: list[tuple[OffloadKey, int] | None] = []
+
+        def advance(index: int) -> tuple[OffloadKey, int] | None:
+            for key, (status, last_use) in iterators[index]:
+                if status.ref == 0 and key not in protected:
+                    return key, last_use
+            return None
+
+        heads = [advance(index) for index in range(len(queues))]
+        finals = self.levels
+        victims: list[tuple[OffloadKey, int, int]] = []  # key, queue, last use
+        while len(victims) < n:
+            pick = finals if heads[finals] is not None else -1
+            if pick < 0:
+                best = 0.0
+                for level in range(finals):
+                    head = heads[level]
+                    if head is not None:
+                        priority = head[1] + level * step
+                        if pick < 0 or priority < best:
+                            pick, best = level, priority
+                if pick < 0:
+                    return None
+            key, last_use = heads[pick]  # type: ignore[misc]
+            victims.append((key, pick, last_use))
+            heads[pick] = advance(pick)
+        levels, births, ghost = self._level, self._birth, self._ghost
+        for key, queue, last_use in victims:
+            del queues[queue][key]
+            del levels[key]
+            birth = births.pop(key)
+            if queue != finals and self.ghost_limit:
+                ghost[key] = (birth, last_use)
+                ghost.move_to_end(key)
+        while len(ghost) > self.ghost_limit:
+            ghost.popitem(last=False)
+        return [key for key, _, _ in victims]
+
+    def clear(self) -> None:
+        for queue in self._queues:
+            queue.clear()
+        self._level.clear()
+        self._birth.clear()
+        self._ghost.clear()
+        self._clock = 0
+        self._gap = None
+        self._request = ()
+        self._request_level = 0
