@@ -34,6 +34,7 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
             self.pins: dict[bytes, int] = {}
             self.loads: list[list[bytes]] = []
             self.announced: set[bytes] = set()
+            self.slots: dict[bytes, int] = {}
 
         @rule(keys=keys_st)
         def prepare_store(self, keys):
@@ -54,6 +55,9 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
                 self.ready.discard(key)
             self.in_flight |= set(out.keys_to_store)
             assert len(out.store_spec.block_ids) == len(out.keys_to_store)
+            for key in out.evicted_keys:
+                self.slots.pop(key)
+            self.slots.update(zip(out.keys_to_store, out.store_spec.block_ids.tolist()))
 
         @rule(data=st.data(), success=st.booleans())
         def complete_store(self, data, success):
@@ -63,6 +67,9 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
             self.in_flight -= done
             if success:
                 self.ready |= done
+            else:
+                for key in done:
+                    self.slots.pop(key)
 
         @rule(key=st.sampled_from(POOL))
         def lookup(self, key):
@@ -76,7 +83,8 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
         @rule(data=st.data())
         def prepare_load(self, data):
             keys = data.draw(st.lists(st.sampled_from(sorted(self.ready)), min_size=1, max_size=4))
-            self.m.prepare_load(keys)
+            spec = self.m.prepare_load(keys)
+            assert spec.block_ids.tolist() == [self.slots[key] for key in keys]
             for key in keys:
                 self.pins[key] = self.pins.get(key, 0) + 1
             self.loads.append(keys)
@@ -100,6 +108,7 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
             self.in_flight.clear()
             self.pins.clear()
             self.loads.clear()
+            self.slots.clear()
 
         @invariant()
         def occupancy(self):
@@ -107,6 +116,12 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
             assert stats.used <= num_blocks
             assert stats.used == len(self.ready) + len(self.in_flight)
             assert stats.in_flight == len(self.in_flight)
+
+        @invariant()
+        def slots_unique_and_in_range(self):
+            assert set(self.slots) == self.ready | self.in_flight
+            assert len(set(self.slots.values())) == len(self.slots)
+            assert all(0 <= slot < num_blocks for slot in self.slots.values())
 
         @invariant()
         def hits_exactly_ready(self):
