@@ -16,7 +16,7 @@ import zmq  # noqa: E402
 
 from kvoffload.events.codec import decode  # noqa: E402
 from kvoffload.events.types import BlockRemoved, BlockStored  # noqa: E402
-from kvoffload.integrations.vllm.offline import close_llm, kv_block_bytes, make_llm, worker_connector  # noqa: E402
+from kvoffload.integrations.vllm.offline import close_llm, kv_block_bytes, make_llm, scheduler_connector, worker_connector  # noqa: E402
 from kvoffload.integrations.vllm.tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -204,3 +204,35 @@ def test_hybrid_sliding_window_model_two_kv_groups(tmp_path):
         assert cached == 62 * 32 and out != expected
     finally:
         close_llm(llm)
+
+
+def test_preemptions_under_memory_pressure_do_not_change_outputs(model_path):
+    """Ten concurrent requests in a 48-block engine cache: vLLM preempts and recomputes;
+    with kvoffload, recomputation is partly served from the CPU tier."""
+    from vllm import SamplingParams
+
+    rng = random.Random(5)
+    shared = prompt(5, 640)
+    prompts = [shared + "".join(rng.choice(WORDS) + " " for _ in range(100))[: 200 + 37 * i] for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    results = {}
+    for name, extra in (("base", None), ("kvoffload", {"cpu_bytes_to_use": 64 << 20})):
+        llm = make_llm(model_path, kv_cache_bytes=48 * kv_block_bytes(model_path), max_model_len=1500, kvoffload=extra)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempt, preemptions = scheduler._preempt_request, []
+
+        def counting(*args, **kwargs):
+            preemptions.append(1)
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counting
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[name] = [list(o.outputs[0].token_ids) for o in outs]
+            assert preemptions, "the workload must make the engine preempt"
+            if extra:
+                stats = scheduler_connector(llm).offload_stats()
+                assert stats.tokens_loaded > 0 and stats.failed_loads == 0 and stats.failed_stores == 0
+        finally:
+            close_llm(llm)
+    assert results["kvoffload"] == results["base"]
