@@ -4,7 +4,8 @@ Run: .venv/bin/python bench/bench_events.py   (prints markdown tables; about a m
 
 * encode: batches of 4 ``BlockStored`` events of 16 or 64 u64 hashes each, with token ids
   (block size 16) or without, in both encodings; also raw 32-byte hashes converted to u64.
-* publish(): caller-side cost per batch (encode + sequence + buffer + queue hand-off).
+* publish(): caller-side cost per batch (type check + sequence + buffer + queue hand-off;
+  encoding happens on the sender thread).
 * end to end: publisher in this process, subscriber in a child process, over ipc.
 * burst: 100,000 batches as fast as possible to a deliberately slow subscriber (child
   process, 20 us of "work" per batch). Checks delivered + lost == published, with every

@@ -357,3 +357,23 @@ def test_a_silent_replay_endpoint_costs_a_bounded_wait_and_counts_the_gap_lost(t
             assert sub.catch_up() == 0
             stats = sub.stats()
     assert first >= 5 and stats.lost == first and stats.replay_requests == 2
+
+
+def test_an_unencodable_batch_is_counted_and_seen_as_lost(ipc: tuple[str, str]) -> None:
+    endpoint, replay = ipc
+    with ZmqEventPublisher(endpoint, replay) as pub, EventSubscriber(endpoint, replay, start_seq=None) as sub:
+        first = wait_until_live(pub, sub)
+        base = first[-1][0] + 1
+        bad = BlockStored([2**64], None, [], 4, None, "CPU", None)  # outside the u64 range
+        assert pub.publish([bad]) == base  # publishing costs no encoding, so no raise here
+        pub.publish([stored(1)])
+        got = collect(sub, 1)
+        assert [seq for seq, _ in got] == [base + 1]
+        assert pub.stats().encode_errors == 1
+        assert sub.stats().lost == 1
+
+
+def test_publish_rejects_what_is_not_an_event(ipc: tuple[str, str]) -> None:
+    with ZmqEventPublisher(ipc[0]) as pub:
+        with pytest.raises(TypeError, match="not a KV event"):
+            pub.publish(["BlockStored"])

@@ -4,11 +4,15 @@ Contract:
 
 * Every message is three frames: the topic, an 8-byte big-endian sequence number that
   counts this publisher's batches from 0, and the encoded batch (``kvoffload.events.codec``).
-* ``publish(batch_or_events)`` never blocks: it encodes, assigns the next sequence number,
-  keeps ``(seq, payload)`` in a replay buffer of the last ``buffer_steps`` batches and hands
-  the send to a background thread through a queue of at most ``max_queue_size`` entries.
-  When that queue is full the send is dropped and counted, but the buffered copy stays, so a
-  subscriber sees a gap and repairs it by replay.
+* ``publish(batch_or_events)`` never blocks and costs the caller no encoding: it checks
+  the batch's types, assigns the next sequence number, keeps the batch in a replay buffer
+  of the last ``buffer_steps`` batches and hands the send to a background thread through a
+  queue of at most ``max_queue_size`` entries. The sender encodes each batch once and
+  keeps the payload in the buffer (a replay encodes a batch whose send was dropped). When
+  the queue is full the send is dropped and counted, but the buffered copy stays, so a
+  subscriber sees a gap and repairs it by replay. A batch must not be modified after it is
+  published. A batch that cannot be encoded (e.g. a hash outside the unsigned 64-bit
+  range) is logged, counted in ``encode_errors`` and never sent: subscribers count it lost.
 * Replay: a ROUTER socket on ``replay_endpoint``. A request is one 8-byte big-endian start
   sequence (from a REQ socket, or ``[b"", start]`` from a DEALER). The reply is one message
   ``[topic, seq, payload]`` per buffered batch with ``seq >= start``, in order, then the end
@@ -34,11 +38,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from kvoffload.events import endpoints
 from kvoffload.events.codec import EventEncoder
-from kvoffload.events.types import HashFormat, KVEvent, KVEventBatch
+from kvoffload.events.types import EVENT_TYPES, HashFormat, KVEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +62,7 @@ class PublisherStats:
     replay_requests: int  # well-formed replay requests served
     replayed: int  # batches sent in replay replies
     malformed_requests: int  # replay requests answered with only the end marker
+    encode_errors: int  # batches that could not be encoded (never sent)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -107,7 +113,8 @@ class ZmqEventPublisher:
         # The caller's thread and the replay thread share the buffer; the lock also keeps
         # sequence numbers, buffer order and queue order identical.
         self._lock = threading.Lock()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # Entries are [seq, batch or payload]: the batch is replaced by its encoding once.
+        self._buffer: deque[list] = deque(maxlen=buffer_steps)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._next_seq = 0
         self._enqueued = 0
@@ -117,6 +124,7 @@ class ZmqEventPublisher:
         self._replay_requests = 0
         self._replayed = 0
         self._malformed = 0
+        self._encode_errors = 0
         self._closed = False
         self._abandon_queue = False
         self._stopping = threading.Event()
@@ -161,19 +169,37 @@ class ZmqEventPublisher:
             batch = KVEventBatch(time.time(), list(batch_or_events), self.data_parallel_rank)
         else:
             raise TypeError(f"publish() takes a KVEventBatch or a list of events, got {batch_or_events!r}")
-        payload = self._encoder.encode(batch)
+        for event in batch.events:
+            if not isinstance(event, EVENT_TYPES):
+                raise TypeError(f"not a KV event: {event!r}")
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"publisher on {self.endpoint} is closed")
             seq = self._next_seq
             self._next_seq = seq + 1
-            self._buffer.append((seq, payload))
+            entry = [seq, batch]
+            self._buffer.append(entry)
             if self._enqueued - self._dequeued >= self._max_queue:
                 self._dropped += 1
             else:
                 self._enqueued += 1
-                self._queue.put((seq.to_bytes(8, "big"), payload))
+                self._queue.put(entry)
         return seq
+
+    def _payload(self, entry: list) -> bytes | None:
+        """The entry's encoded batch, encoding it the first time (``None``: unencodable)."""
+        value = entry[1]
+        if value is None or isinstance(value, bytes):
+            return value
+        try:
+            payload = self._encoder.encode(value)
+        except (ValueError, TypeError, msgspec.EncodeError) as exc:
+            logger.error("KV event batch %d cannot be encoded and is dropped: %s", entry[0], exc)
+            with self._lock:
+                self._encode_errors += 1
+            payload = None
+        entry[1] = payload  # the sender and a replay may both encode it; same bytes
+        return payload
 
     def stats(self) -> PublisherStats:
         with self._lock:
@@ -185,6 +211,7 @@ class ZmqEventPublisher:
                 replay_requests=self._replay_requests,
                 replayed=self._replayed,
                 malformed_requests=self._malformed,
+                encode_errors=self._encode_errors,
             )
 
     def close(self) -> None:
@@ -223,14 +250,16 @@ class ZmqEventPublisher:
             self._dequeued += 1
             if self._abandon_queue:
                 continue
-            seq_bytes, payload = item
+            payload = self._payload(item)
+            if payload is None:
+                continue
             try:
                 # PUB never blocks: at its high-water mark ZMQ drops the message for that
                 # subscriber, who then repairs the gap by replay.
-                pub.send_multipart((topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+                pub.send_multipart((topic, item[0].to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
                 self._sent += 1
             except zmq.ZMQError as exc:
-                logger.warning("KV event send of seq %d failed: %s", int.from_bytes(seq_bytes, "big"), exc)
+                logger.warning("KV event send of seq %d failed: %s", item[0], exc)
         pub.close(linger=int(self._flush_timeout * 1000))
 
     def _replay_loop(self) -> None:
@@ -260,8 +289,10 @@ class ZmqEventPublisher:
             first = self._buffer[0][0] if self._buffer else 0
             # Sequence numbers in the buffer are contiguous, so the start is an offset.
             wanted = list(itertools.islice(self._buffer, max(0, start - first), None))
-        for seq, payload in wanted:
-            sock.send_multipart((client, b"", self._topic_bytes, seq.to_bytes(8, "big"), payload))
+        for entry in wanted:
+            payload = self._payload(entry)
+            if payload is not None:
+                sock.send_multipart((client, b"", self._topic_bytes, entry[0].to_bytes(8, "big"), payload))
         sock.send_multipart((client, b"", *END_MARKER))
         with self._lock:
             self._replayed += len(wanted)
