@@ -104,32 +104,32 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
         blocks = self._blocks
-        statuses = []
+        pinned: list[BlockStatus] = []
         for key in keys:
             status = blocks.get(key)
             if status is None or status.ref < 0:
+                for done in pinned:  # all or nothing
+                    done.ref -= 1
                 state = "absent" if status is None else "still being stored"
                 raise KeyError(f"cannot load key {key.hex()}: it is {state}, not a HIT")
-            statuses.append(status)
-        for status in statuses:
             status.ref += 1
-        return CPULoadStoreSpec([status.slot for status in statuses])
+            pinned.append(status)
+        return CPULoadStoreSpec([status.slot for status in pinned])
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.policy.touch(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         blocks = self._blocks
-        statuses = []
-        pins: dict[OffloadKey, int] = {}
+        unpinned: list[BlockStatus] = []
         for key in keys:
             status = blocks.get(key)
-            pins[key] = pins.get(key, 0) + 1
-            if status is None or status.ref < pins[key]:
+            if status is None or status.ref <= 0:
+                for done in unpinned:  # all or nothing
+                    done.ref += 1
                 raise KeyError(f"cannot complete load of key {key.hex()}: no load was prepared")
-            statuses.append(status)
-        for status in statuses:
             status.ref -= 1
+            unpinned.append(status)
 
     # -- stores ----------------------------------------------------------------------
 
@@ -163,7 +163,7 @@ class CPUOffloadingManager(OffloadingManager):
         if reused:
             slots.extend(reversed(free[-reused:]))
             del free[-reused:]
-        statuses = [BlockStatus(slot) for slot in slots]
+        statuses = list(map(BlockStatus, slots))
         blocks.update(zip(new_keys, statuses))
         policy.insert_many(new_keys, statuses)
         return PrepareStoreOutput(new_keys, CPULoadStoreSpec(slots), evicted)

@@ -54,8 +54,9 @@ class ARCPolicy(CachePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        t1_get, t2_move = t1.get, t2.move_to_end
         for key in reversed(keys):
-            status = t1.get(key)
+            status = t1_get(key)
             if status is not None:
                 if status.ref >= 0:
                     del t1[key]
@@ -63,7 +64,7 @@ class ARCPolicy(CachePolicy):
                 else:
                     t1.move_to_end(key)
             elif key in t2:
-                t2.move_to_end(key)
+                t2_move(key)
             elif key in b1:
                 delta = max(1.0, len(b2) / len(b1))
                 self.target_t1 = min(self.target_t1 + delta, float(self.capacity))
