@@ -3,11 +3,24 @@
 Run: .venv/bin/python bench/bench_transfer.py [--reps N] [--quick]
 
 Each case is a per-layer layout of 32 layers (one KV-cache group) whose pages are
-``page`` bytes, jobs of 64 device blocks with scattered device and host ids, and F device
-blocks per host block. A job's time is wall clock from ``submit`` to ``wait`` returning
-(planning, queueing and copying). The baseline is ``dst.copy_(src)`` of one contiguous
-tensor of the job's byte count, timed alternately with the jobs so both see the same
-machine load; the ratio is the median of per-repetition ratios. Prints a markdown table.
+``page`` bytes, jobs of 64 device blocks, and F device blocks per host block. Three id
+patterns:
+
+* ``consecutive``: consecutive device and host ids (vLLM hands out device blocks mostly
+  in order; a fresh host pool); the best case;
+* ``fresh host``: consecutive host ids (what the CPU tier hands out for never-used
+  slots), scattered device ids;
+* ``scattered``: scattered device and host ids (a worn pool; the worst case).
+
+A job's time is wall clock from ``submit`` to ``wait`` returning (planning, queueing and
+copying). The baseline is a contiguous copy of the job's byte count, taken two ways
+and timed alternately with the jobs so all see the same machine load: torch's
+``dst.copy_(src)`` on its intra-op threads, and the same copy cut into 1 MiB int64
+slices run on a ``CopyPool`` with the engine's thread count (what the executor itself
+uses). The ratio is the median over repetitions of (faster baseline) / job, so a
+baseline that stumbles on a busy machine cannot flatter the jobs. Before every timed
+copy a scratch buffer twice the size of a large L3 is written, so jobs of a few MiB and
+their baseline all start from cold caches. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -22,13 +35,38 @@ import torch
 
 from kvoffload.cpu import CPULoadStoreSpec
 from kvoffload.transfer import DeviceLoadStoreSpec, HostBlockPool, KVLayout, TransferEngine
+from kvoffload.transfer.copy_pool import CopyPool
 
 LAYERS = 32
 JOB_BLOCKS = 64
 DEVICE_BLOCKS = 128
+PATTERNS = ("consecutive", "fresh host", "scattered")
+_SCRATCH = np.zeros(64 << 20 >> 3, dtype=np.int64)
 
 
-def bench_case(page: int, f: int, reps: int, rng: np.random.Generator) -> list[dict]:
+def evict_caches() -> None:
+    np.add(_SCRATCH, 1, out=_SCRATCH)
+
+
+def _slice_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    dst[:] = src
+
+
+def job_ids(pattern: str, f: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    device = rng.choice(DEVICE_BLOCKS, JOB_BLOCKS, replace=False)
+    if pattern == "consecutive":
+        first = int(rng.integers(0, DEVICE_BLOCKS - JOB_BLOCKS + 1))
+        device = np.arange(first, first + JOB_BLOCKS)
+    host_blocks, used = DEVICE_BLOCKS // f, JOB_BLOCKS // f
+    if pattern != "scattered":
+        first = int(rng.integers(0, host_blocks - used + 1))
+        host = np.arange(first, first + used)
+    else:
+        host = rng.choice(host_blocks, used, replace=False)
+    return device, host
+
+
+def bench_case(page: int, f: int, pattern: str, reps: int, rng: np.random.Generator, copies: CopyPool) -> list[dict]:
     kv = {f"layer{i}": torch.full((DEVICE_BLOCKS, page), i, dtype=torch.uint8) for i in range(LAYERS)}
     layout = KVLayout.from_layer_tensors(kv)
     pool = HostBlockPool(layout, DEVICE_BLOCKS // f, blocks_per_host_block=f)
@@ -37,18 +75,26 @@ def bench_case(page: int, f: int, reps: int, rng: np.random.Generator) -> list[d
     nbytes = LAYERS * JOB_BLOCKS * page
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
+    step = 1 << 20  # the executor's default unit of work
+    src64, dst64 = src.view(torch.int64).numpy(), dst.view(torch.int64).numpy()
+    slices = [(dst64[i : i + step // 8], src64[i : i + step // 8]) for i in range(0, nbytes // 8, step // 8)]
     rows = {"store": [], "load": []}
-    with TransferEngine(layout, pool) as engine:
+    with TransferEngine(layout, pool, copy_threads=copies.threads) as engine:
         job_id = 0
         for _ in range(reps + 1):  # the first repetition warms up and is dropped
             for direction in ("store", "load"):
-                device = DeviceLoadStoreSpec(
-                    rng.choice(DEVICE_BLOCKS, JOB_BLOCKS, replace=False), [JOB_BLOCKS], [0]
-                )
-                host = CPULoadStoreSpec(rng.choice(DEVICE_BLOCKS // f, JOB_BLOCKS // f, replace=False))
+                device_ids, host_ids = job_ids(pattern, f, rng)
+                device = DeviceLoadStoreSpec(device_ids, [JOB_BLOCKS], [0])
+                host = CPULoadStoreSpec(host_ids)
+                evict_caches()
                 t0 = time.perf_counter()
                 dst.copy_(src)
-                base = time.perf_counter() - t0
+                torch_copy = time.perf_counter() - t0
+                evict_caches()
+                t0 = time.perf_counter()
+                copies.run(slices, _slice_copy)
+                pool_copy = time.perf_counter() - t0
+                evict_caches()
                 t0 = time.perf_counter()
                 engine.submit(job_id, *((device, host) if direction == "store" else (host, device)))
                 engine.wait([job_id])
@@ -56,19 +102,21 @@ def bench_case(page: int, f: int, reps: int, rng: np.random.Generator) -> list[d
                 (result,) = engine.poll()
                 assert result.success and result.bytes == nbytes, result
                 job_id += 1
-                rows[direction].append((base, job))
+                rows[direction].append((torch_copy, pool_copy, job))
     out = []
     for direction, samples in rows.items():
         samples = samples[1:]
         out.append(
             {
                 "direction": direction,
+                "pattern": pattern,
                 "page": page,
                 "f": f,
                 "mb": nbytes / 2**20,
-                "copy_gbs": nbytes / statistics.median(b for b, _ in samples) / 1e9,
-                "job_gbs": nbytes / statistics.median(j for _, j in samples) / 1e9,
-                "ratio": statistics.median(b / j for b, j in samples),
+                "torch_gbs": nbytes / statistics.median(s[0] for s in samples) / 1e9,
+                "pool_gbs": nbytes / statistics.median(s[1] for s in samples) / 1e9,
+                "job_gbs": nbytes / statistics.median(s[2] for s in samples) / 1e9,
+                "ratio": statistics.median(min(s[0], s[1]) / s[2] for s in samples),
             }
         )
     return out
@@ -84,23 +132,37 @@ def main() -> None:
     if args.quick:
         pages = [128 << 10, 16 << 10]
     rng = np.random.default_rng(0)
-    load = os.getloadavg()[0]
+    threads = min(8, os.cpu_count() or 1)  # the engine's default
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
-        f"{os.cpu_count()} CPUs, load average {load:.2f} at start; "
-        f"{LAYERS} layers x {JOB_BLOCKS} blocks per job, scattered ids, median of {reps}\n"
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {threads} copy threads, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
+        f"{LAYERS} layers x {JOB_BLOCKS} blocks per job, median of {reps}\n"
     )
-    print("| direction | page | F | job MiB | contiguous copy GB/s | job GB/s | job / copy |")
-    print("|---|---|---|---|---|---|---|")
-    for page in pages:
-        for f in (1, 4):
-            for row in bench_case(page, f, reps, rng):
-                print(
-                    f"| {row['direction']} | {row['page'] >> 10} KiB | {row['f']} | {row['mb']:.0f} "
-                    f"| {row['copy_gbs']:.1f} | {row['job_gbs']:.1f} | {row['ratio']:.2f} |",
-                    flush=True,
-                )
-    print(f"\nload average {os.getloadavg()[0]:.2f} at end")
+    print(
+        "| direction | ids | page | F | job MiB | torch copy GB/s | pool copy GB/s | job GB/s "
+        "| job / faster copy |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    copies = CopyPool(threads, "bench-copy")
+    try:
+        for page in pages:
+            for f in (1, 4):
+                for pattern in PATTERNS:
+                    for row in bench_case(page, f, pattern, reps, rng, copies):
+                        print(
+                            f"| {row['direction']} | {row['pattern']} | {row['page'] >> 10} KiB | {row['f']} "
+                            f"| {row['mb']:.0f} | {row['torch_gbs']:.1f} | {row['pool_gbs']:.1f} "
+                            f"| {row['job_gbs']:.1f} | {row['ratio']:.2f} |",
+                            flush=True,
+                        )
+    finally:
+        copies.close()
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    print(
+        f"\nload average {os.getloadavg()[0]:.2f} at end; this process used {cpu:.1f} s of CPU "
+        f"in {wall:.1f} s of wall time"
+    )
 
 
 if __name__ == "__main__":

@@ -96,6 +96,26 @@ def test_small_chunks_split_large_jobs():
         run_job(engine, layout, pool, True, list(range(10)), [10, 0, 0, 0], [0, 0, 0, 0], list(range(5, 15)))
 
 
+@pytest.mark.parametrize("pattern", ["fresh_host", "consecutive", "scattered"])
+@pytest.mark.parametrize("f", [1, 4])
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20], ids=["row_chunks", "big_chunks"])
+def test_id_patterns_store_and_load(pattern, f, chunk_bytes):
+    # Consecutive host ids (a fresh pool) make stores gather into one run and loads
+    # scatter from one; consecutive device ids too make plain slice copies.
+    layout, pool, engine = make_setup("per_layer", f, seed=f, chunk_bytes=chunk_bytes)
+    rng = np.random.default_rng(f)
+    sizes, indices = [12, 0, 0, 0], [0, 0, 0, 0]
+    spans = 12 // f
+    if pattern == "scattered":
+        device_ids, host_ids = distinct(rng, NUM_DEVICE, 12), distinct(rng, NUM_HOST, spans)
+    else:
+        device_ids = list(range(7, 19)) if pattern == "consecutive" else distinct(rng, NUM_DEVICE, 12)
+        host_ids = list(range(2, 2 + spans))
+    with engine:
+        for job_id, store in enumerate((True, False)):
+            run_job(engine, layout, pool, store, device_ids, sizes, indices, host_ids, job_id)
+
+
 def test_store_then_load_round_trip():
     layout, pool, engine = make_setup("per_layer", 4, seed=3)
     original = [t.clone() for t in layout.tensors]

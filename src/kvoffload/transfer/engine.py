@@ -95,11 +95,12 @@ class TransferEngine:
         layout: KVLayout,
         host_pool: HostBlockPool,
         *,
-        chunk_bytes: int = 256 << 10,
+        chunk_bytes: int = 1 << 20,
         copy_threads: int | None = None,
     ) -> None:
-        """``chunk_bytes`` and ``copy_threads`` (default: CPU count, at most 8) tune the
-        CPU executor; CUDA ignores them."""
+        """``chunk_bytes`` (the work one copy thread takes at a time, at least one row)
+        and ``copy_threads`` (threads copying one job, default: CPU count, at most 8)
+        tune the CPU executor; CUDA ignores them."""
         if host_pool.layout is not layout:
             raise ValueError("host_pool was built for a different layout")
         self.layout = layout

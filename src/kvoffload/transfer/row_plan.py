@@ -1,0 +1,111 @@
+"""Row-copy plans: how one tensor's (source row, destination row) pairs become few bulk copies.
+
+A job hands an executor, per tensor, arrays ``src_rows`` and ``dst_rows``: row
+``src_rows[i]`` of the source is copied to row ``dst_rows[i]`` of the destination
+(destinations are distinct; the engine checks that at submit). numpy and torch have no
+copy with indices on both sides, and gathering into a staging buffer and scattering
+from it measured slower than copying row by row (0.5-0.7 of a contiguous copy for 64
+and 128 KiB rows, against 0.9-1.0: the second pass is not free even when the buffer
+stays in cache). So the pairs are grouped into *runs*, each one numpy call that moves
+its bytes exactly once:
+
+* consecutive sources into consecutive destinations: a slice assignment (a memcpy);
+* scattered sources into consecutive destinations: ``np.take(..., out=destination
+  slice)``, a gather straight into place;
+* consecutive sources into scattered destinations: ``dst[index] = src[slice]``, a
+  scatter straight from place.
+
+``plan_copies`` groups by destination or by source, whichever gives fewer runs, so the
+common cases are a handful of calls: freshly allocated host blocks have consecutive ids
+(a store gathers into one run, a load scatters from one), and whole host blocks of F
+sub-blocks are runs of F. Pairs scattered on both sides are single rows, i.e. one slice
+copy per row: with no vectorised alternative that is faster, that is the cheapest plan.
+
+Runs are cut into operations of at most ``op_rows`` rows, and operations are packed into
+*units* of at most ``unit_rows`` rows. A unit is the work one copy thread takes at a
+time: small enough that threads share a job evenly (and a descheduled thread on a busy
+machine holds back little), large enough that Python overhead stays small. The op cap
+exists because a slice copy is one ``memcpy``, and glibc's ``memcpy`` switched to a
+slower strategy for 1 MiB copies on the machine we measured (9.7 GB/s on one thread,
+against 12-14 GB/s for 256-512 KiB copies).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# One operation: (source key, destination key). A key is a slice of rows or an int64
+# array of row ids; at most one side is an array.
+Op = tuple[slice | np.ndarray, slice | np.ndarray]
+Unit = list[Op]
+
+
+def run_bounds(sorted_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start offsets and lengths of runs of consecutive values in ``sorted_rows``."""
+    breaks = np.flatnonzero(np.diff(sorted_rows) != 1) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    lengths = np.diff(np.concatenate((starts, [len(sorted_rows)])))
+    return starts, lengths
+
+
+def plan_copies(
+    src_rows: np.ndarray, dst_rows: np.ndarray, unit_rows: int, op_rows: int | None = None
+) -> list[Unit]:
+    """Units of operations that together copy ``src[src_rows[i]]`` to ``dst[dst_rows[i]]``
+    for every ``i``; apply each with ``apply_unit``. Units touch disjoint destination
+    rows, so they may run concurrently and in any order. ``op_rows`` (default
+    ``unit_rows``) caps the rows of one operation."""
+    src_rows = np.asarray(src_rows, dtype=np.int64)
+    dst_rows = np.asarray(dst_rows, dtype=np.int64)
+    if len(src_rows) != len(dst_rows):
+        raise ValueError(f"{len(src_rows)} source rows for {len(dst_rows)} destination rows")
+    if not len(dst_rows):
+        return []
+    unit_rows = max(1, int(unit_rows))
+    op_rows = unit_rows if op_rows is None else max(1, min(int(op_rows), unit_rows))
+    by_dst = np.argsort(dst_rows, kind="stable")
+    by_src = np.argsort(src_rows, kind="stable")
+    dst_runs = 1 + int(np.count_nonzero(np.diff(dst_rows[by_dst]) != 1))
+    src_runs = 1 + int(np.count_nonzero(np.diff(src_rows[by_src]) != 1))
+    # Ties go to gathers: np.take into a slice measured at least as fast as a scatter.
+    gather = dst_runs <= src_runs
+    order = by_dst if gather else by_src
+    src, dst = src_rows[order], dst_rows[order]
+    lead, other = (dst, src) if gather else (src, dst)
+    starts, lengths = run_bounds(lead)
+    # breaks_before[i]: how many times ``other`` is not consecutive within [0, i]; a
+    # run whose ``other`` side has no break inside is a plain slice copy.
+    breaks_before = np.concatenate(([0], np.cumsum(np.diff(other) != 1)))
+
+    units: list[Unit] = []
+    unit: Unit = []
+    rows_in_unit = 0
+    for start, length in zip(starts.tolist(), lengths.tolist()):
+        for a in range(start, start + length, op_rows):  # cut long runs
+            n = min(op_rows, start + length - a)
+            if rows_in_unit + n > unit_rows:
+                units.append(unit)
+                unit, rows_in_unit = [], 0
+            s0, d0 = int(src[a]), int(dst[a])
+            if breaks_before[a + n - 1] == breaks_before[a]:
+                unit.append((slice(s0, s0 + n), slice(d0, d0 + n)))
+            elif gather:
+                unit.append((src[a : a + n], slice(d0, d0 + n)))
+            else:
+                unit.append((slice(s0, s0 + n), dst[a : a + n]))
+            rows_in_unit += n
+    units.append(unit)
+    return units
+
+
+def apply_unit(src: np.ndarray, dst: np.ndarray, unit: Unit) -> None:
+    """Run one unit on 2-D arrays of rows. numpy releases the GIL while it copies, so
+    units on different threads copy in parallel; it never starts threads of its own."""
+    for s, d in unit:
+        if isinstance(s, np.ndarray):
+            # mode="clip" skips the bounds check (ids were checked at submit); with the
+            # default mode="raise", numpy copies through a temporary buffer whenever
+            # ``out`` is given, which made gathers 3-5x slower.
+            np.take(src, s, axis=0, out=dst[d], mode="clip")
+        else:
+            dst[d] = src[s]
