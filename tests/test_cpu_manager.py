@@ -3,6 +3,7 @@ import pytest
 
 from kvoffload.cpu import CPULoadStoreSpec, CPUOffloadingManager
 from kvoffload.manager import LookupResult, OffloadingEvent
+from kvoffload.policies import LRUPolicy
 
 
 def k(i: int) -> bytes:
@@ -199,3 +200,21 @@ def test_bad_capacity(bad):
 def test_unknown_policy_is_named():
     with pytest.raises(ValueError, match="'nope'"):
         CPUOffloadingManager(4, "nope")
+
+
+class _OddOnly(LRUPolicy):
+    """Admits only keys whose block id is odd."""
+
+    admits_all = False
+
+    def admit(self, key):
+        return key[7] % 2 == 1
+
+
+def test_declined_keys_are_left_out_of_the_store():
+    m = CPUOffloadingManager(4, _OddOnly, enable_events=True)
+    out = m.prepare_store(keys(1, 2, 3, 4))
+    assert out.keys_to_store == keys(1, 3)
+    assert out.store_spec.block_ids.tolist() == [0, 1]
+    m.complete_store(out.keys_to_store)
+    assert m.lookup(k(2)) is LookupResult.MISS and m.lookup(k(3)) is LookupResult.HIT
