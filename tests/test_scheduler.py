@@ -274,3 +274,17 @@ def test_sliding_window_null_blocks_are_neither_stored_nor_loaded():
     assert load.dst_spec.block_ids.tolist() == [21, 22, 23, 24, 27, 28]
     assert load.dst_spec.block_indices.tolist() == [0, 2]
     assert len(load.src_spec.block_ids) == 6
+
+
+def test_after_a_failed_load_the_request_is_never_offered_hits_again():
+    manager, sched = make()
+    run_prefill(sched, Req("a", list(range(12))), [[0, 1, 2]])
+    sched.request_finished("a")
+    b = Req("b", list(range(13)))
+    assert sched.match(b, 0) == 12
+    sched.on_allocated("b", [[5, 6, 7, 8]], 12)
+    (load,) = sched.build_step([]).loads
+    sched.complete_jobs([(load.job_id, False)])
+    assert sched.stats.failed_loads == 1
+    assert sched.match(b, 0) == 0  # the engine recomputes b
+    assert sched.match(Req("c", list(range(13))), 0) == 12  # other requests still hit

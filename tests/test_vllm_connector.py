@@ -236,3 +236,27 @@ def test_preemptions_under_memory_pressure_do_not_change_outputs(model_path):
         finally:
             close_llm(llm)
     assert results["kvoffload"] == results["base"]
+
+
+def test_failed_loads_are_recomputed(model_path, baseline):
+    llm = make_llm(model_path, kvoffload={"cpu_bytes_to_use": 256 << 20})
+    try:
+        text = prompt(1)
+        assert generate(llm, text)[0] == baseline[1]
+        # Inject a copy error into every load the transfer engine runs from now on.
+        executor = worker_connector()._worker.engine._executor
+        run = executor.run
+
+        def failing_loads(store, *args, **kwargs):
+            if not store:
+                raise RuntimeError("injected copy failure")
+            return run(store, *args, **kwargs)
+
+        executor.run = failing_loads
+        assert llm.reset_prefix_cache()
+        out, _ = generate(llm, text)
+        assert out == baseline[1]
+        stats = scheduler_connector(llm).offload_stats()
+        assert stats.failed_loads >= 1 and stats.blocks_loaded == 0
+    finally:
+        close_llm(llm)

@@ -18,6 +18,8 @@ Request lifecycle:
    can be loaded: leading ``HIT``s of every group, whole offloaded blocks, at most all
    prompt tokens but one (the engine must compute one to sample). ``None`` while a needed
    key is ``PENDING`` or ``RETRY`` (ask again next step). Touches the request's blocks once.
+   After a failed load of a request, always 0 for it: the engine recomputes, and a request
+   is never sent round the same failing load twice.
 2. ``on_allocated(req_id, block_ids, num_external_tokens)``: the engine allocated device
    blocks; a load of the matched blocks is planned (its keys pinned) for the next step.
 3. ``build_step(scheduled)``: returns the ``StepPlan``: planned loads, and stores of every
@@ -68,6 +70,7 @@ class _RequestState:
     touched: bool = False
     finished: bool = False
     matched_from: int = 0  # the engine-cached tokens at the last match
+    load_failed: bool = False  # a load for it failed: the engine recomputes, never retry
 
 
 class OffloadingScheduler:
@@ -118,6 +121,8 @@ class OffloadingScheduler:
     def match(self, request: RequestView, num_computed_tokens: int) -> int | None:
         state = self._state(request)
         state.matched_from = num_computed_tokens
+        if state.load_failed:
+            return 0
         hashes = self._hashes(request)
         if not state.touched:
             state.touched = True
@@ -262,6 +267,9 @@ class OffloadingScheduler:
                     self.stats.blocks_loaded += len(job.keys)
                 else:
                     self.stats.failed_loads += 1
+                    failed = self._requests.get(job.req_id)
+                    if failed is not None:
+                        failed.load_failed = True
             state = self._requests.get(job.req_id)
             if state is not None:
                 state.jobs.discard(job_id)

@@ -20,12 +20,16 @@ CONNECTOR_MODULE = "kvoffload.integrations.vllm"
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that enables kvoffload with ``extra`` as its settings."""
+    """The ``kv_transfer_config`` that enables kvoffload with ``extra`` as its settings.
+
+    A load that fails makes vLLM recompute the request's tokens (vLLM's default policy
+    would fail the request instead)."""
     return {
         "kv_connector": "KVOffloadConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
+        "kv_load_failure_policy": "recompute",
     }
 
 
