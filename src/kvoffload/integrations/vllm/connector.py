@@ -118,7 +118,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return None
+        # Block dimension outermost in every layer's view: each block's page is one
+        # contiguous run of bytes, which the transfer layout needs.
+        return "LBHNC"
 
     # -- helpers -------------------------------------------------------------------------
 
