@@ -87,6 +87,3 @@ class StepPlan:
     stores: list[TransferJob] = field(default_factory=list)
     hold_blocks: dict[str, list[int]] = field(default_factory=dict)
     flush: dict[str, list[int]] = field(default_factory=dict)
-
-    def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.hold_blocks or self.flush)
