@@ -41,6 +41,7 @@ __all__ = ["build_tiny_llama", "tiny_llama_spec", "MARKER_FILE"]
 MARKER_FILE = "kvoffload-tiny-llama.json"
 _FORMAT_VERSION = 1
 _SPECIALS = ("<pad>", "<s>", "</s>")
+_PAD_ID, _BOS_ID, _EOS_ID = 0, 1, 2
 _NUM_BYTE_TOKENS = 256
 _MIN_VOCAB = len(_SPECIALS) + _NUM_BYTE_TOKENS
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -191,26 +192,10 @@ def _install(tmp: Path, path: Path, spec: dict[str, Any]) -> None:
 
 def _write_build(out: Path, spec: dict[str, Any]) -> None:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
 
     out.mkdir(parents=True)
-    pad_id, bos_id, eos_id = 0, 1, 2
-    model_cls, config = (_hybrid_config(spec) if spec["sliding_window"] else (LlamaForCausalLM, LlamaConfig(
-        vocab_size=spec["vocab_size"],
-        hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"],
-        num_hidden_layers=spec["num_layers"],
-        num_attention_heads=spec["num_heads"],
-        num_key_value_heads=spec["num_kv_heads"],
-        max_position_embeddings=spec["max_position_embeddings"],
-        initializer_range=spec["initializer_range"],
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        pad_token_id=pad_id,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        dtype=spec["dtype"],
-    )))
+    model_cls, config = _model_config(spec)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec["seed"])
@@ -219,7 +204,7 @@ def _write_build(out: Path, spec: dict[str, Any]) -> None:
         torch.random.set_rng_state(generator_state)
     model = model.to(getattr(torch, spec["dtype"]))
     model.generation_config = GenerationConfig(
-        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id
+        bos_token_id=_BOS_ID, eos_token_id=_EOS_ID, pad_token_id=_PAD_ID
     )
     model.save_pretrained(out, safe_serialization=True)
     _build_tokenizer(spec["vocab_size"]).save_pretrained(out)
@@ -229,30 +214,39 @@ def _write_build(out: Path, spec: dict[str, Any]) -> None:
     (out / MARKER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
 
 
-def _hybrid_config(spec: dict[str, Any]) -> tuple[type, Any]:
-    """A Gemma-3 text model whose layers alternate sliding-window and full attention."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    head_dim = spec["hidden_size"] // spec["num_heads"]
-    config = Gemma3TextConfig(
+def _model_config(spec: dict[str, Any]) -> tuple[type, Any]:
+    """The model class and config: a Llama, or with ``sliding_window`` a Gemma-3 text
+    model whose layers alternate sliding-window and full attention."""
+    common = dict(
         vocab_size=spec["vocab_size"],
         hidden_size=spec["hidden_size"],
         intermediate_size=spec["intermediate_size"],
         num_hidden_layers=spec["num_layers"],
         num_attention_heads=spec["num_heads"],
         num_key_value_heads=spec["num_kv_heads"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        tie_word_embeddings=False,
+        pad_token_id=_PAD_ID,
+        bos_token_id=_BOS_ID,
+        eos_token_id=_EOS_ID,
+        dtype=spec["dtype"],
+    )
+    if spec["sliding_window"] is None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(**common, initializer_range=spec["initializer_range"], rms_norm_eps=1e-5)
+        return LlamaForCausalLM, config
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    head_dim = spec["hidden_size"] // spec["num_heads"]
+    config = Gemma3TextConfig(
+        **common,
         head_dim=head_dim,
         query_pre_attn_scalar=head_dim,
         sliding_window=spec["sliding_window"],
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec["num_layers"])],
-        max_position_embeddings=spec["max_position_embeddings"],
         # Gemma scales embeddings by sqrt(hidden): a wider init keeps greedy outputs varied.
         initializer_range=spec["initializer_range"] * 3,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        dtype=spec["dtype"],
     )
     return Gemma3ForCausalLM, config
 
