@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +25,10 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The demo's table is the output: keep vLLM's start-up chatter out of it.
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    warnings.simplefilter("ignore")
     from kvoffload.integrations.vllm.chat_demo import ChatDemoConfig, main
 
     cfg = ChatDemoConfig(
