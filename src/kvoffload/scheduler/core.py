@@ -242,7 +242,7 @@ class OffloadingScheduler:
             sizes[g] += self.factor
             tokens = self._tokens[g]
             parent = self._hash_at(hashes, g, j - 1) if j > 0 else None
-            self._events.remember(key, parent, tokens_ids[j * tokens : (j + 1) * tokens])
+            self._events.remember(key, parent, tokens_ids, j * tokens, (j + 1) * tokens)
         job = self._new_job(req_id, True, list(out.keys_to_store))
         return TransferJob(job, req_id, True, DeviceLoadStoreSpec(device_ids, sizes, indices), out.store_spec)
 

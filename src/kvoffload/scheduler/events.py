@@ -17,7 +17,6 @@ records that (``remember``) when it reserves the store, and this converter fills
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvoffload.keys import GROUP_BYTES, OffloadKey, external_hash
@@ -27,10 +26,10 @@ from kvoffload.scheduler.types import KVGroup
 EVENT_MODES = ("self_describing", "placeholder")
 
 
-@dataclass(frozen=True)
-class _StoredBlock:
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
+# What a stored key's BlockStored says is kept as a plain tuple (parent block hash or
+# None, the request's token sequence, start, end): one is recorded per stored block on the
+# scheduler's thread, so it allocates nothing more; tokens are sliced when announced.
+_UNKNOWN: tuple[bytes | None, Sequence[int], int, int] = (None, (), 0, 0)
 
 
 class EventConverter:
@@ -42,11 +41,12 @@ class EventConverter:
         self.mode = mode
         self._groups = list(groups)
         self._factor = blocks_per_offload_block
-        self._pending: dict[OffloadKey, _StoredBlock] = {}
+        self._pending: dict[OffloadKey, tuple[bytes | None, Sequence[int], int, int]] = {}
 
-    def remember(self, key: OffloadKey, parent_hash: bytes | None, token_ids: Sequence[int]) -> None:
-        """Record what a key's ``BlockStored`` must say, before its store completes."""
-        self._pending[key] = _StoredBlock(parent_hash, tuple(token_ids))
+    def remember(self, key: OffloadKey, parent_hash: bytes | None, tokens: Sequence[int], start: int, end: int) -> None:
+        """Record what a key's ``BlockStored`` must say, before its store completes: its
+        tokens are ``tokens[start:end]``, a range the engine never rewrites."""
+        self._pending[key] = (parent_hash, tokens, start, end)
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """Drop records of keys whose store failed (they are never announced)."""
@@ -77,12 +77,12 @@ class EventConverter:
 
     def _stored(self, event: OffloadingEvent) -> list[BlockStored]:
         out: list[BlockStored] = []
-        run: list[tuple[bytes, _StoredBlock]] = []
+        run: list[tuple[bytes, tuple]] = []
         run_group = -1
         for key in event.keys:
             group, block_hash = _split(key)
-            info = self._pending.pop(key, None) or _StoredBlock(None, ())
-            chained = run and group == run_group and info.parent_hash == run[-1][0]
+            info = self._pending.pop(key, _UNKNOWN)
+            chained = run and group == run_group and info[0] == run[-1][0]
             if run and not chained:
                 out.append(self._stored_event(run, run_group, event.medium))
                 run = []
@@ -92,13 +92,13 @@ class EventConverter:
             out.append(self._stored_event(run, run_group, event.medium))
         return out
 
-    def _stored_event(self, run: list[tuple[bytes, _StoredBlock]], group: int, medium: str) -> BlockStored:
+    def _stored_event(self, run: list[tuple[bytes, tuple]], group: int, medium: str) -> BlockStored:
         spec = self._groups[group] if group < len(self._groups) else None
         hashes = [external_hash(h) for h, _ in run]
         if self.mode == "placeholder" or spec is None:
             return BlockStored(hashes, None, [], 0, None, medium, None, group_idx=group)
-        first_parent = run[0][1].parent_hash
-        tokens = [t for _, info in run for t in info.token_ids]
+        first_parent = run[0][1][0]
+        tokens = [t for _, info in run for t in info[1][info[2] : info[3]]]
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if first_parent is None else external_hash(first_parent),
