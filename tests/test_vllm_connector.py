@@ -123,6 +123,17 @@ def test_prefix_served_from_cpu_tier_matches_recomputation(model_path, baseline)
         # the tiny model's tokenizer maps byte b to token b + 3
         assert [t for e in cpu for t in e.token_ids] == [b + 3 for b in text.encode()][: 31 * 64]
 
+        # The engine keeps an odd number of 32-token blocks (33) of the prompt itself: the
+        # load starts half-way into offloaded block 16 (F = 2) and fills the rest.
+        assert llm.reset_prefix_cache()
+        generate(llm, text[:1060])
+        before = scheduler_connector(llm).offload_stats().tokens_loaded
+        out, cached = generate(llm, text)
+        assert cached == 31 * 64 and out == baseline[1]
+        stats = scheduler_connector(llm).offload_stats()
+        assert stats.tokens_loaded - before == 31 * 64 - 33 * 32
+        assert stats.failed_loads == 0
+
         # Corrupt the host copies: the next load must change the output.
         pool = worker_connector()._worker.engine.host_pool
         gen = torch.Generator().manual_seed(0)
