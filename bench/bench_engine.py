@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "zeta")
 
 
 def main() -> int:
@@ -31,7 +29,7 @@ def main() -> int:
 
     from vllm import SamplingParams
 
-    from kvoffload.integrations.vllm.offline import close_llm, make_llm
+    from kvoffload.integrations.vllm.offline import close_llm, make_llm, word_text
     from kvoffload.integrations.vllm.tiny_model import build_tiny_llama
 
     model = str(build_tiny_llama(args.model_dir))
@@ -47,8 +45,7 @@ def main() -> int:
     try:
         ttft("warm up " * 100)
         for r in range(args.rounds):
-            rng = random.Random(1000 + r)
-            text = "".join(rng.choice(WORDS) + " " for _ in range(args.tokens))[: args.tokens]
+            text = word_text(1000 + r, args.tokens)
             for name in times:
                 if name == "kvoffload CPU":
                     llm.reset_prefix_cache()

@@ -16,17 +16,22 @@ import zmq  # noqa: E402
 
 from kvoffload.events.codec import decode  # noqa: E402
 from kvoffload.events.types import BlockRemoved, BlockStored  # noqa: E402
-from kvoffload.integrations.vllm.offline import close_llm, kv_block_bytes, make_llm, scheduler_connector, worker_connector  # noqa: E402
+from kvoffload.integrations.vllm.offline import (  # noqa: E402
+    close_llm,
+    kv_block_bytes,
+    make_llm,
+    scheduler_connector,
+    word_text,
+    worker_connector,
+)
 from kvoffload.integrations.vllm.tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "zeta"]
 
 
 def prompt(seed: int, n: int = 2000) -> str:
-    rng = random.Random(seed)
-    return "".join(rng.choice(WORDS) + " " for _ in range(n))[:n]  # byte tokenizer: n tokens
+    return word_text(seed, n)  # byte tokenizer: n tokens
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +229,7 @@ def test_preemptions_under_memory_pressure_do_not_change_outputs(model_path):
 
     rng = random.Random(5)
     shared = prompt(5, 640)
-    prompts = [shared + "".join(rng.choice(WORDS) + " " for _ in range(100))[: 200 + 37 * i] for i in range(10)]
+    prompts = [shared + word_text(rng, 200 + 37 * i) for i in range(10)]
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     results = {}
     for name, extra in (("base", None), ("kvoffload", {"cpu_bytes_to_use": 64 << 20})):

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.events import EventSubscriber
-from kvoffload.integrations.vllm.offline import close_llm, kv_block_bytes, make_llm, scheduler_connector
+from kvoffload.integrations.vllm.offline import close_llm, kv_block_bytes, make_llm, scheduler_connector, word_text
 from kvoffload.integrations.vllm.tiny_model import build_tiny_llama
 
-WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "zeta", "theta", "lambda")
 TOKEN_OFFSET = 3  # the tiny model's byte tokenizer: byte b is token b + 3
 
 
@@ -61,7 +60,7 @@ class RunResult:
 
 
 def _text_tokens(rng: random.Random, n: int) -> list[int]:
-    text = "".join(rng.choice(WORDS) + " " for _ in range(n))[:n]
+    text = word_text(rng, n)
     return [b + TOKEN_OFFSET for b in text.encode()]
 
 

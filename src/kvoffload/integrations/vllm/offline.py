@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 from pathlib import Path
 from typing import Any
 
 CONNECTOR_MODULE = "kvoffload.integrations.vllm"
+_WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "zeta", "theta", "lambda")
+
+
+def word_text(rng: random.Random | int, n: int) -> str:
+    """``n`` characters of random words: ``n`` tokens for the tiny model's byte tokenizer.
+    ``rng`` is a ``random.Random`` (to draw several texts from one stream) or a seed."""
+    rng = random.Random(rng) if isinstance(rng, int) else rng
+    return "".join(rng.choice(_WORDS) + " " for _ in range(n // 3 + 1))[:n]
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
