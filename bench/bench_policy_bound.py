@@ -1,8 +1,9 @@
-"""Estimated best hit ratio of online policies that decide by (request class, block age), at
+"""Estimated best hit ratio of online policies that decide by (class, block age), at
 1%, 5%, 10% and 25% of the unique blocks, on the Mooncake conversation trace and on the
 built-in ``agentic``, ``documents`` and ``chat`` workloads.
 
-Each row is ``kvoffload.sim.ttl_bound.ttl_bound`` for one feature set (class-chosen TTLs,
+Each row is ``kvoffload.sim.ttl_bound.ttl_bound`` for one feature set (request features,
+plus ``freq``: how many earlier requests named the block; class-chosen TTLs,
 fractional admission, average-occupancy budget, no prefix constraint: a relaxation, not
 a proof), and ``oracle`` the same LP with each reference's exact reuse gap as its class.
 Hit ratio = hit block ids / all block ids, the trailing block included, as in
@@ -22,7 +23,7 @@ from kvoffload.sim.ttl_bound import (
     FEATURE_SETS,
     block_references,
     oracle_bound,
-    request_classes,
+    reference_classes,
     request_features,
     ttl_bound,
 )
@@ -46,7 +47,7 @@ def main() -> int:
         refs, features = block_references(trace.requests), request_features(trace.requests)
         capacities = [max(1, int(trace.unique_blocks() * fraction)) for fraction in FRACTIONS]
         for feature_set in FEATURE_SETS:
-            classes = request_classes(features, feature_set)
+            classes = reference_classes(refs, features, feature_set)
             cells = " | ".join(f"{ttl_bound(refs, classes, c):.3f}" for c in capacities)
             print(f"| {label} | {feature_set} | {classes.max() + 1} | {cells} |", flush=True)
         cells = " | ".join(f"{oracle_bound(refs, c):.3f}" for c in capacities)

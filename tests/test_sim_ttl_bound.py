@@ -11,7 +11,7 @@ from kvoffload.sim.ttl_bound import (
     RequestFeatures,
     block_references,
     oracle_bound,
-    request_classes,
+    reference_classes,
     request_features,
     tau_grid,
     ttl_bound,
@@ -29,6 +29,8 @@ def test_gaps_and_weights_hand_computed():
     # block 2 twice in request 3 is one reference of weight 2; keeping request 2's copy earns both
     assert got == [(0, 1, 2, 1), (0, 1, 2, 1), (1, 1, 0, 0), (2, 1, 0, 0), (2, 1, 0, 0), (2, 1, 1, 2), (3, 2, 0, 0)]
     assert (refs.requests, refs.total) == (4, 8)
+    prior = sorted(zip(refs.request.tolist(), refs.prior.tolist()))
+    assert prior == [(0, 0), (0, 0), (1, 0), (2, 0), (2, 1), (2, 1), (3, 2)]  # block 2: requests 0, 2 before 3
 
 
 def test_features_of_a_small_conversation():
@@ -47,15 +49,29 @@ def test_level_saturates_at_three():
 def test_feature_set_buckets():
     level, prev_gap, new = [0, 0, 0, 0, 1, 1], [-1, 63, 64, 1024, 5, 5], [1, 1, 2, 3, 15, 16]
     f = RequestFeatures(np.array(level), np.array(prev_gap), np.array(new))
-    assert request_classes(f, "none").tolist() == [0] * 6
-    assert request_classes(f, "level").tolist() == [0, 0, 0, 0, 1, 1]
-    prevgap = request_classes(f, "level+prevgap").tolist()
+    refs = block_references(requests([1], [2], [3], [4], [5], [6]))  # one reference each, in order
+    assert reference_classes(refs, f, "none").tolist() == [0] * 6
+    assert reference_classes(refs, f, "level").tolist() == [0, 0, 0, 0, 1, 1]
+    prevgap = reference_classes(refs, f, "level+prevgap").tolist()
     assert len(set(prevgap[:4])) == 4 and prevgap[4] == prevgap[5]  # -1, <64, 64..255, >=1024
-    new = request_classes(f, "level+new").tolist()
+    new = reference_classes(refs, f, "level+new").tolist()
     assert new[0] == new[1] and new[2] == new[3] and new[4] != new[5]  # cuts at 2 and 16
-    assert len(set(request_classes(f, "level+prevgap+new").tolist())) == 6
+    assert len(set(reference_classes(refs, f, "level+prevgap+new").tolist())) == 6
     with pytest.raises(ValueError, match=r"'level\+age'"):
-        request_classes(f, "level+age")
+        reference_classes(refs, f, "level+age")
+    with pytest.raises(ValueError, match="cover 6 requests, references 5"):
+        reference_classes(block_references(requests(*[[b] for b in range(5)])), f, "level")
+
+
+def test_freq_classes_count_earlier_requests_capped():
+    # block 1 named by 7 requests: prior 0..6, capped at 4; block 2 once (prior 0)
+    trace = requests(*[[1]] * 7, [2])
+    refs = block_references(trace)
+    freq = reference_classes(refs, request_features(trace), "level+freq")
+    by_ref = dict(zip(zip(refs.request.tolist(), refs.prior.tolist()), freq.tolist()))
+    assert [by_ref[(i, i)] for i in range(4)] == sorted({by_ref[(i, i)] for i in range(4)})  # 0..3 distinct
+    assert by_ref[(4, 4)] == by_ref[(5, 5)] == by_ref[(6, 6)] != by_ref[(3, 3)]
+    assert by_ref[(7, 0)] == by_ref[(0, 0)]
 
 
 def test_loop_that_thrashes_lru_hand_computed():
@@ -97,7 +113,7 @@ def test_unbounded_budget_reaches_the_infinite_cache(name):
     expected = infinite_cache_ratio(trace)
     assert 0 < expected < 1
     everything = refs.total * 3  # more than any tau up to 2 * requests can spend
-    assert ttl_bound(refs, request_classes(request_features(trace), "none"), everything) == pytest.approx(expected)
+    assert ttl_bound(refs, reference_classes(refs, request_features(trace), "none"), everything) == pytest.approx(expected)
     assert oracle_bound(refs, everything) == pytest.approx(expected)
 
 
@@ -109,7 +125,7 @@ def test_oracle_is_above_every_class_estimate(name):
     for fraction in (0.01, 0.05, 0.25):
         capacity = max(1, int(unique * fraction))
         oracle = oracle_bound(refs, capacity)
-        estimates = [ttl_bound(refs, request_classes(features, fs), capacity) for fs in FEATURE_SETS]
+        estimates = [ttl_bound(refs, reference_classes(refs, features, fs), capacity) for fs in FEATURE_SETS]
         assert all(e <= oracle + 1e-12 for e in estimates), (fraction, estimates, oracle)
         # "none" is one class of every finer feature set, so it cannot beat them
         assert all(estimates[0] <= e + 1e-12 for e in estimates[1:]), (fraction, estimates)
@@ -117,7 +133,8 @@ def test_oracle_is_above_every_class_estimate(name):
 
 def test_estimate_grows_with_capacity():
     trace = builtin_workload("chat").requests[:500]
-    refs, classes = block_references(trace), request_classes(request_features(trace), "level+new")
+    refs = block_references(trace)
+    classes = reference_classes(refs, request_features(trace), "level+new")
     ratios = [ttl_bound(refs, classes, c) for c in (0, 5, 20, 80, 320)]
     assert ratios[0] == 0.0 and all(a < b for a, b in zip(ratios, ratios[1:]))
 

@@ -20,7 +20,8 @@ kind reaches in ``kvoffload.sim.replay``:
 * fractional admission: each class mixes two TTLs on its upper concave hull, so the
   optimum is a fractional knapsack filled greedily by hits per unit cost.
 
-TTL classes come from the request's online-observable past (``request_features``): it is
+TTL classes come from what an online policy can observe at the reference: its request's
+past (``request_features``) and how many earlier requests named the block (``freq``). It is
 an estimate of the ceiling for age-and-class policies, valid for the chosen feature set,
 TTL grid and coarse buckets only. ``oracle_bound`` gives each reference its exact gap as
 its class (the fractional knapsack over references, value = the hits its keeping earns,
@@ -40,10 +41,19 @@ import numpy as np
 
 from kvoffload.sim.trace import TraceRequest
 
-FEATURE_SETS = ("none", "level", "level+new", "level+prevgap", "level+prevgap+new")
+FEATURE_SETS = (
+    "none",
+    "level",
+    "level+new",
+    "level+prevgap",
+    "level+prevgap+new",
+    "level+freq",
+    "level+prevgap+new+freq",
+)
 PREV_GAP_CUTS = (64, 256, 1024)
 NEW_BLOCKS_CUTS = (2, 4, 8, 16)
 MAX_LEVEL = 3
+MAX_FREQ = 4
 
 
 @dataclass(frozen=True)
@@ -52,13 +62,15 @@ class References:
 
     ``gap[r]`` is the number of requests to the next reference of the same block, 0 when
     there is none; ``next_weight[r]`` the hits keeping ``r`` through its gap earns (the
-    next reference's weight, 0 when there is none). ``total`` counts all block ids.
+    next reference's weight, 0 when there is none); ``prior[r]`` the number of earlier
+    requests that named the block. ``total`` counts all block ids.
     """
 
     request: np.ndarray
     weight: np.ndarray
     gap: np.ndarray
     next_weight: np.ndarray
+    prior: np.ndarray
     requests: int
     total: int
 
@@ -87,7 +99,11 @@ def block_references(requests: Sequence[TraceRequest]) -> References:
     next_weight = np.zeros(len(pair), np.int64)
     gap[by_block[:-1][same]] = (req[by_block[1:]] - req[by_block[:-1]])[same]
     next_weight[by_block[:-1][same]] = weight[by_block[1:]][same]
-    return References(req, weight, gap, next_weight, len(requests), int(lengths.sum()))
+    starts = np.flatnonzero(np.concatenate(([True], ~same)))  # first reference of each block
+    rank = np.arange(len(pair)) - np.repeat(starts, np.diff(np.append(starts, len(pair))))
+    prior = np.empty(len(pair), np.int64)
+    prior[by_block] = rank
+    return References(req, weight, gap, next_weight, prior, len(requests), int(lengths.sum()))
 
 
 def request_features(requests: Sequence[TraceRequest]) -> RequestFeatures:
@@ -120,18 +136,27 @@ def request_features(requests: Sequence[TraceRequest]) -> RequestFeatures:
     return RequestFeatures(level, prev_gap, new_blocks)
 
 
-def request_classes(features: RequestFeatures, feature_set: str) -> np.ndarray:
-    """Dense class codes per request for ``feature_set`` (one of ``FEATURE_SETS``).
+def reference_classes(refs: References, features: RequestFeatures, feature_set: str) -> np.ndarray:
+    """Dense class codes per reference for ``feature_set`` (one of ``FEATURE_SETS``).
 
-    Buckets: ``prev_gap`` -1 (none) or the number of ``PREV_GAP_CUTS`` it reaches;
-    ``new_blocks`` the number of ``NEW_BLOCKS_CUTS`` it reaches.
+    Request features apply to all of a request's references. Buckets: ``prev_gap`` -1
+    (none) or the number of ``PREV_GAP_CUTS`` it reaches; ``new_blocks`` the number of
+    ``NEW_BLOCKS_CUTS`` it reaches; ``freq`` the block's ``prior`` capped at ``MAX_FREQ``.
     """
     if feature_set not in FEATURE_SETS:
         raise ValueError(f"unknown feature set {feature_set!r}; known: {', '.join(FEATURE_SETS)}")
+    if len(features.level) != refs.requests:
+        raise ValueError(f"features cover {len(features.level)} requests, references {refs.requests}")
     pg = np.where(features.prev_gap < 0, -1, np.searchsorted(PREV_GAP_CUTS, features.prev_gap, "right"))
     nb = np.searchsorted(NEW_BLOCKS_CUTS, features.new_blocks, "right")
-    parts = {"level": features.level, "prevgap": pg + 1, "new": nb}
-    code = np.zeros(len(features.level), np.int64)
+    at = refs.request
+    parts = {
+        "level": features.level[at],
+        "prevgap": pg[at] + 1,
+        "new": nb[at],
+        "freq": np.minimum(refs.prior, MAX_FREQ),
+    }
+    code = np.zeros(len(at), np.int64)
     if feature_set != "none":
         for name in feature_set.split("+"):
             code = code * 16 + parts[name]
@@ -148,15 +173,15 @@ def tau_grid(requests: int, points: int = 60) -> np.ndarray:
 def ttl_bound(
     refs: References, classes: np.ndarray, capacity_blocks: float, taus: Sequence[float] | None = None
 ) -> float:
-    """Estimated best hit ratio of class-TTL policies; ``classes`` holds one label per request."""
+    """Estimated best hit ratio of class-TTL policies; ``classes`` holds one label per reference."""
     budget = _budget(refs, capacity_blocks)
     classes = np.asarray(classes)
-    if classes.shape != (refs.requests,):
-        raise ValueError(f"classes must hold one code per request ({refs.requests}), got shape {classes.shape}")
+    if classes.shape != refs.request.shape:
+        raise ValueError(f"classes must hold one code per reference ({refs.request.size}), got shape {classes.shape}")
     taus = tau_grid(refs.requests) if taus is None else np.asarray(sorted(taus), float)
     if taus.size == 0 or taus[0] <= 0:
         raise ValueError(f"taus must be positive, got {taus!r}")
-    ref_class = np.unique(classes, return_inverse=True)[1].reshape(-1)[refs.request]
+    ref_class = np.unique(classes, return_inverse=True)[1].reshape(-1)
     # a reference is held for min(tau, span) requests: span is its gap, or the requests
     # left in the trace when it has no next use (and then earns nothing)
     span = np.where(refs.gap > 0, refs.gap, refs.requests - 1 - refs.request)
