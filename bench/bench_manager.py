@@ -18,8 +18,7 @@ from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.sim.replay import replay_keys, to_key_lists
 from kvoffload.sim.trace import read_trace
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/mooncake_fast25_conversation_trace.jsonl"
-FRACTIONS = (0.01, 0.05, 0.10, 0.25)
+from _workloads import FRACTIONS, MOONCAKE_TRACE as DEFAULT_TRACE  # noqa: E402 (bench/ is on sys.path)
 
 
 def main() -> int:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-from kvoffload.sim.trace import read_trace
 from kvoffload.sim.ttl_bound import (
     FEATURE_SETS,
     block_references,
@@ -27,19 +25,12 @@ from kvoffload.sim.ttl_bound import (
     request_features,
     ttl_bound,
 )
-from kvoffload.sim.workloads import builtin_workload
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl"
-FRACTIONS = (0.01, 0.05, 0.10, 0.25)
+from _workloads import FRACTIONS, benchmark_traces  # noqa: E402 (bench/ is on sys.path)
 
 
 def main() -> int:
-    traces = []
-    if TRACE.exists():
-        traces.append(("conversation (Mooncake)", read_trace(TRACE)))
-    else:
-        print(f"(skipping the Mooncake trace: {TRACE} not found)", file=sys.stderr)
-    traces += [(f"{name} (generated, seed 0)", builtin_workload(name)) for name in ("agentic", "documents", "chat")]
+    traces = benchmark_traces()
     print("| workload | classes by | classes | 1% | 5% | 10% | 25% |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for label, trace in traces:

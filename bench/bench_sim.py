@@ -14,26 +14,17 @@ Run: ``.venv/bin/python bench/bench_sim.py`` (prints a Markdown table).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.policies import available_policies
 from kvoffload.sim.belady import replay_belady
 from kvoffload.sim.replay import replay_keys, to_key_lists
-from kvoffload.sim.trace import read_trace
-from kvoffload.sim.workloads import builtin_workload
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl"
-FRACTIONS = (0.01, 0.05, 0.10, 0.25)
+from _workloads import FRACTIONS, benchmark_traces  # noqa: E402 (bench/ is on sys.path)
 
 
 def main() -> int:
-    traces = []
-    if TRACE.exists():
-        traces.append(("conversation (Mooncake)", read_trace(TRACE)))
-    else:
-        print(f"(skipping the Mooncake trace: {TRACE} not found)", file=sys.stderr)
-    traces += [(f"{name} (generated, seed 0)", builtin_workload(name)) for name in ("agentic", "documents", "chat")]
+    traces = benchmark_traces()
     policies = [*available_policies(), "belady"]
     print("| workload | policy | 1% | 5% | 10% | 25% | requests/s (slowest size) |")
     print("|---|---|---:|---:|---:|---:|---:|")
