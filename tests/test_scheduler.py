@@ -8,6 +8,7 @@ from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored
 from kvoffload.keys import BlockHasher, external_hash, make_offload_key
 from kvoffload.manager import LookupResult
+from kvoffload.policies import LRUPolicy
 from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
 
 HASHER = BlockHasher()
@@ -288,3 +289,30 @@ def test_after_a_failed_load_the_request_is_never_offered_hits_again():
     assert sched.stats.failed_loads == 1
     assert sched.match(b, 0) == 0  # the engine recomputes b
     assert sched.match(Req("c", list(range(13))), 0) == 12  # other requests still hit
+
+
+class _Declines(LRUPolicy):
+    """Declines the keys in ``declined``."""
+
+    admits_all = False
+    declined: set = set()
+
+    def admit(self, key):
+        return key not in self.declined
+
+
+def test_keys_a_policy_declines_are_not_offloaded():
+    req = Req("a", list(range(13)))  # 3 full blocks of 4
+    h = req.block_hashes
+    _Declines.declined = {make_offload_key(h[0], 0)}
+    manager, sched = make(policy=_Declines)
+    n, plan = run_prefill(sched, req, [[7, 8, 9, 10]])
+    (store,) = plan.stores
+    assert store.src_spec.block_ids.tolist() == [8, 9]  # block 0 (device 7) left out
+    assert store.src_spec.block_indices.tolist() == [1]
+    (event,) = sched.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == [external_hash(h[1]), external_hash(h[2])]
+    assert event.parent_block_hash == external_hash(h[0]) and event.token_ids == list(range(4, 12))
+    assert manager.lookup(make_offload_key(h[0], 0)) is LookupResult.MISS
+    assert sched.match(Req("b", list(range(13))), 0) == 0  # the prefix starts with a miss
