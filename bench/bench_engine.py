@@ -29,8 +29,8 @@ def main() -> int:
 
     from vllm import SamplingParams
 
-    from kvoffload.integrations.vllm.offline import close_llm, make_llm, word_text
-    from kvoffload.integrations.vllm.tiny_model import build_tiny_llama
+    from kvoffload.demo.offline import close_llm, make_llm, word_text
+    from kvoffload.demo.tiny_model import build_tiny_llama
 
     model = str(build_tiny_llama(args.model_dir))
     llm = make_llm(model, kvoffload={"cpu_bytes_to_use": 512 << 20})

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from kvoffload.integrations.vllm.tiny_model import (  # noqa: E402
+from kvoffload.demo.tiny_model import (  # noqa: E402
     MARKER_FILE,
     build_tiny_llama,
     main,

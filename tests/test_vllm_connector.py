@@ -16,7 +16,7 @@ import zmq  # noqa: E402
 
 from kvoffload.events.codec import decode  # noqa: E402
 from kvoffload.events.types import BlockRemoved, BlockStored  # noqa: E402
-from kvoffload.integrations.vllm.offline import (  # noqa: E402
+from kvoffload.demo.offline import (  # noqa: E402
     close_llm,
     kv_block_bytes,
     make_llm,
@@ -24,7 +24,7 @@ from kvoffload.integrations.vllm.offline import (  # noqa: E402
     word_text,
     worker_connector,
 )
-from kvoffload.integrations.vllm.tiny_model import build_tiny_llama  # noqa: E402
+from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     warnings.simplefilter("ignore")
-    from kvoffload.integrations.vllm.chat_demo import ChatDemoConfig, main
+    from kvoffload.demo.chat_demo import ChatDemoConfig, main
 
     cfg = ChatDemoConfig(
         conversations=args.conversations,

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.events import EventSubscriber
-from kvoffload.integrations.vllm.offline import close_llm, kv_block_bytes, make_llm, scheduler_connector, word_text
-from kvoffload.integrations.vllm.tiny_model import build_tiny_llama
+from kvoffload.demo.offline import close_llm, kv_block_bytes, make_llm, scheduler_connector, word_text
+from kvoffload.demo.tiny_model import build_tiny_llama
 
 TOKEN_OFFSET = 3  # the tiny model's byte tokenizer: byte b is token b + 3
 

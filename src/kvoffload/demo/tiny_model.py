@@ -22,7 +22,7 @@ Weights use a larger initialiser range than a trained model's so that the logits
 clear margins: greedy decoding then picks the same token even when the engine computes
 attention in a different order (a prefix-cache hit vs. a full prefill).
 
-CLI: `python -m kvoffload.integrations.vllm.tiny_model PATH [--num-layers N ...]`.
+CLI: `python -m kvoffload.demo.tiny_model PATH [--num-layers N ...]`.
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def _build_tokenizer(vocab_size: int):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvoffload.integrations.vllm.tiny_model",
+        prog="python -m kvoffload.demo.tiny_model",
         description="Build a tiny random Llama model and tokenizer offline.",
     )
     parser.add_argument("path", help="output folder (reused if already built)")
