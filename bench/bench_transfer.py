@@ -33,8 +33,8 @@ import time
 import numpy as np
 import torch
 
-from kvoffload.cpu import CPULoadStoreSpec
-from kvoffload.transfer import DeviceLoadStoreSpec, HostBlockPool, KVLayout, TransferEngine
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
+from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
 from kvoffload.transfer.copy_pool import CopyPool
 
 LAYERS = 32

@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from kvoffload.cpu import CPULoadStoreSpec
-from kvoffload.transfer import DeviceLoadStoreSpec, HostBlockPool, KVLayout, TransferEngine
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
+from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
 
 NUM_DEVICE, NUM_HOST = 48, 24
 

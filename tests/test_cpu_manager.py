@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from kvoffload.cpu import CPULoadStoreSpec, CPUOffloadingManager
+from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.manager import LookupResult, OffloadingEvent
 from kvoffload.policies import LRUPolicy
 

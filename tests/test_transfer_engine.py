@@ -14,7 +14,7 @@ from transfer_oracle import (
     three_group_layer_caches,
 )
 
-from kvoffload.cpu import CPULoadStoreSpec
+from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.transfer import (
     LOAD,
     STORE,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.transfer import DeviceLoadStoreSpec, HostBlockPool, KVLayout, block_byte_view
+from kvoffload.specs import DeviceLoadStoreSpec
+from kvoffload.transfer import HostBlockPool, KVLayout, block_byte_view
 
 
 def test_block_byte_view_reinterprets_without_copy():

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transfer_oracle import assert_state, expected_after, randomize, snapshot
 
-from kvoffload.cpu import CPULoadStoreSpec
+from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.transfer import (
     DeviceLoadStoreSpec,
     HostBlockPool,

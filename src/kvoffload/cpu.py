@@ -20,11 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import numpy as np
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import (
-    LoadStoreSpec,
     LookupResult,
     OffloadingEvent,
     OffloadingManager,
@@ -32,22 +30,11 @@ from kvoffload.manager import (
     TierStats,
 )
 from kvoffload.policies import BlockStatus, CachePolicy, resolve_policy
+from kvoffload.specs import CPULoadStoreSpec
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.PENDING
-
-
-class CPULoadStoreSpec(LoadStoreSpec):
-    """Host block ids (int64), in key order."""
-
-    medium = "CPU"
-
-    def __init__(self, block_ids: Sequence[int] | np.ndarray) -> None:
-        self.block_ids = np.asarray(block_ids, dtype=np.int64)
-
-    def __repr__(self) -> str:
-        return f"CPULoadStoreSpec({self.block_ids.tolist()})"
 
 
 class CPUOffloadingManager(OffloadingManager):

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvoffload.keys import OffloadKey
+from kvoffload.specs import LoadStoreSpec  # re-exported: part of the contract
 
 
 class LookupResult(enum.Enum):
@@ -31,12 +32,6 @@ class LookupResult(enum.Enum):
     PENDING = "pending"  # a store of this key is in flight
     MISS = "miss"  # not held
     RETRY = "retry"  # cannot tell yet; ask again next step
-
-
-class LoadStoreSpec(ABC):
-    """Where blocks live in one medium; the worker side turns pairs of specs into copies."""
-
-    medium: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,20 @@
-"""The request lifecycle of offloading: which blocks to load and store each step."""
+"""The request lifecycle of offloading: which blocks to load and store each step.
 
-from kvoffload.scheduler.core import OffloadingScheduler, SchedulerStats
-from kvoffload.scheduler.events import EVENT_MODES, EventConverter
-from kvoffload.scheduler.types import KVGroup, RequestView, StepPlan, StepRequest, TransferJob
+Pure bookkeeping: importing it loads neither torch nor pyzmq."""
 
-__all__ = [
-    "EVENT_MODES",
-    "EventConverter",
-    "KVGroup",
-    "OffloadingScheduler",
-    "RequestView",
-    "SchedulerStats",
-    "StepPlan",
-    "StepRequest",
-    "TransferJob",
-]
+from kvoffload._lazy import lazy_exports
+
+_EXPORTS = {
+    "OffloadingScheduler": "kvoffload.scheduler.core",
+    "SchedulerStats": "kvoffload.scheduler.core",
+    "EVENT_MODES": "kvoffload.scheduler.events",
+    "EventConverter": "kvoffload.scheduler.events",
+    "KVGroup": "kvoffload.scheduler.types",
+    "RequestView": "kvoffload.scheduler.types",
+    "StepPlan": "kvoffload.scheduler.types",
+    "StepRequest": "kvoffload.scheduler.types",
+    "TransferJob": "kvoffload.scheduler.types",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

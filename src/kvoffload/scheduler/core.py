@@ -40,7 +40,7 @@ from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
 from kvoffload.manager import LookupResult, OffloadingManager
 from kvoffload.scheduler.events import EventConverter
 from kvoffload.scheduler.types import KVGroup, RequestView, StepPlan, StepRequest, TransferJob
-from kvoffload.transfer.specs import DeviceLoadStoreSpec
+from kvoffload.specs import DeviceLoadStoreSpec
 
 
 @dataclass

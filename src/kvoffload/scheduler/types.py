@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvoffload.manager import LoadStoreSpec
+from kvoffload.specs import LoadStoreSpec
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvoffload.cpu import CPULoadStoreSpec
-from kvoffload.manager import LoadStoreSpec
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
+from kvoffload.specs import LoadStoreSpec
 from kvoffload.transfer.backends import CPUExecutor, CUDAExecutor, Piece
 from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.mapping import map_sub_blocks
-from kvoffload.transfer.specs import DeviceLoadStoreSpec
 
 STORE = "store"
 LOAD = "load"

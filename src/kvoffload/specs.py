@@ -1,28 +1,37 @@
-"""Device-side load/store specs: which device blocks of which KV-cache groups a job touches.
+"""Load/store specs: where the blocks of one transfer job live in one medium.
 
-``DeviceLoadStoreSpec(block_ids, group_sizes, block_indices)`` describes the device half of
-a transfer job. ``block_ids`` are the device block ids of every KV-cache group
-concatenated in group order; ``group_sizes[g]`` says how many of them belong to group
-``g`` (zero is allowed: a group may take no part in a job); ``block_indices[g]`` is the
-logical index, counted in device blocks within the request, of group ``g``'s first block
-in this job. The logical index only matters when one host block spans several device
-blocks (see ``kvoffload.transfer.mapping``): it says how far into its first host block a
-group starts.
+The scheduler side hands out specs (block ids, nothing else); the worker side turns a
+(source, destination) pair of specs into copies. Every spec has a ``medium``, the name
+events and job routing use. Torch-free: the scheduler imports this without the worker.
 
-The medium is ``"GPU"`` for every accelerator, as in vLLM's events; a CPU-resident engine
-KV cache (vLLM's CPU build) uses the same spec.
-
-The host half of a job is a ``kvoffload.cpu.CPULoadStoreSpec`` whose block ids are the
-host blocks of all groups concatenated in the same group order.
+* ``CPULoadStoreSpec(block_ids)``: host block ids of the CPU tier (int64), in key order.
+* ``DeviceLoadStoreSpec(block_ids, group_sizes, block_indices)``: the device half of a
+  job. ``block_ids`` are the device block ids of every KV-cache group concatenated in
+  group order; ``group_sizes[g]`` says how many belong to group ``g`` (zero is allowed: a
+  group may take no part in a job); ``block_indices[g]`` is the logical index, counted in
+  device blocks within the request, of group ``g``'s first block in this job. The logical
+  index only matters when one host block spans several device blocks (see
+  ``kvoffload.transfer.mapping``): it says how far into its first host block a group
+  starts. The medium is ``"GPU"`` for every accelerator, as in vLLM's events; a
+  CPU-resident engine KV cache (vLLM's CPU build) uses the same spec. The host half of
+  such a job lists the host blocks of all groups concatenated in the same group order.
 """
 
 from __future__ import annotations
 
+from abc import ABC
 from collections.abc import Sequence
 
 import numpy as np
 
-from kvoffload.manager import LoadStoreSpec
+MEDIUM_DEVICE = "GPU"
+MEDIUM_CPU = "CPU"
+
+
+class LoadStoreSpec(ABC):
+    """Where blocks live in one medium; the worker side turns pairs of specs into copies."""
+
+    medium: str = ""
 
 
 def _int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -34,10 +43,22 @@ def _int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+class CPULoadStoreSpec(LoadStoreSpec):
+    """Host block ids (int64), in key order."""
+
+    medium = MEDIUM_CPU
+
+    def __init__(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        self.block_ids = np.asarray(block_ids, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"CPULoadStoreSpec({self.block_ids.tolist()})"
+
+
 class DeviceLoadStoreSpec(LoadStoreSpec):
     """Device block ids of several KV-cache groups, concatenated in group order."""
 
-    medium = "GPU"
+    medium = MEDIUM_DEVICE
 
     def __init__(
         self,
