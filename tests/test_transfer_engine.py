@@ -14,11 +14,10 @@ from transfer_oracle import (
     three_group_layer_caches,
 )
 
-from kvoffload.specs import CPULoadStoreSpec
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
 from kvoffload.transfer import (
     LOAD,
     STORE,
-    DeviceLoadStoreSpec,
     HostBlockPool,
     KVLayout,
     TransferEngine,

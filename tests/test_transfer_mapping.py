@@ -9,9 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transfer_oracle import assert_state, expected_after, randomize, snapshot
 
-from kvoffload.specs import CPULoadStoreSpec
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
 from kvoffload.transfer import (
-    DeviceLoadStoreSpec,
     HostBlockPool,
     KVLayout,
     TransferEngine,

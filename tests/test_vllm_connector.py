@@ -18,6 +18,7 @@ from kvoffload.events.codec import decode  # noqa: E402
 from kvoffload.events.types import BlockRemoved, BlockStored  # noqa: E402
 from kvoffload.demo.offline import (  # noqa: E402
     close_llm,
+    host_transfer_engine,
     kv_block_bytes,
     make_llm,
     scheduler_connector,
@@ -140,7 +141,7 @@ def test_prefix_served_from_cpu_tier_matches_recomputation(model_path, baseline)
         assert stats.failed_loads == 0
 
         # Corrupt the host copies: the next load must change the output.
-        pool = worker_connector()._worker.engine.host_pool
+        pool = host_transfer_engine().host_pool
         gen = torch.Generator().manual_seed(0)
         for t in pool.tensors:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
@@ -212,7 +213,7 @@ def test_hybrid_sliding_window_model_two_kv_groups(tmp_path):
         assert generate(llm, text) == (expected, 0)
         assert llm.reset_prefix_cache()
         assert generate(llm, text) == (expected, 62 * 32)
-        pool = worker_connector()._worker.engine.host_pool
+        pool = host_transfer_engine().host_pool
         for t in pool.tensors:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
         assert llm.reset_prefix_cache()
@@ -260,7 +261,7 @@ def test_failed_loads_are_recomputed(model_path, baseline):
         text = prompt(1)
         assert generate(llm, text)[0] == baseline[1]
         # Inject a copy error into every load the transfer engine runs from now on.
-        executor = worker_connector()._worker.engine._executor
+        executor = host_transfer_engine()._executor
         run = executor.run
 
         def failing_loads(store, *args, **kwargs):

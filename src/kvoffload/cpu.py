@@ -31,6 +31,7 @@ from kvoffload.manager import (
 )
 from kvoffload.policies import BlockStatus, CachePolicy, resolve_policy
 from kvoffload.specs import CPULoadStoreSpec
+from kvoffload.validation import non_negative_int
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -48,9 +49,7 @@ class CPUOffloadingManager(OffloadingManager):
         cache_policy: str | type[CachePolicy] = "lru",
         enable_events: bool = False,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = non_negative_int("num_blocks", num_blocks)
         self.policy: CachePolicy = resolve_policy(cache_policy)(num_blocks)
         self.enable_events = enable_events
         self._blocks: dict[OffloadKey, BlockStatus] = {}

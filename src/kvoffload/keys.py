@@ -21,6 +21,8 @@ from typing import Any, NewType
 
 import cbor2
 
+from kvoffload.validation import positive_int
+
 OffloadKey = NewType("OffloadKey", bytes)
 
 GROUP_BYTES = 4
@@ -97,8 +99,7 @@ class BlockHasher:
         ``extra_keys`` (e.g. a LoRA name or multimodal hashes) is mixed into every block.
         ``parent_hash`` continues an existing chain.
         """
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        positive_int("block_size", block_size)
         hashes: list[bytes] = []
         parent = parent_hash
         for start in range(0, len(token_ids) - block_size + 1, block_size):

@@ -109,6 +109,14 @@ def worker_connector() -> Any:
     return get_kv_transfer_group()
 
 
+def host_transfer_engine() -> Any:
+    """The host-memory ``TransferEngine`` behind the in-process engine's worker connector
+    (its ``host_pool`` holds the offloaded bytes)."""
+    from kvoffload.specs import MEDIUM_CPU, MEDIUM_DEVICE
+
+    return worker_connector()._worker.worker.worker_for((MEDIUM_DEVICE, MEDIUM_CPU))
+
+
 def scheduler_connector(llm: Any) -> Any:
     """The scheduler-role ``KVOffloadConnector`` of an in-process engine (or ``None``)."""
     core = llm.llm_engine.engine_core.engine_core

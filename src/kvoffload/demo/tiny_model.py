@@ -36,6 +36,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvoffload.validation import positive_int
+
 __all__ = ["build_tiny_llama", "tiny_llama_spec", "MARKER_FILE"]
 
 MARKER_FILE = "kvoffload-tiny-llama.json"
@@ -80,8 +82,7 @@ def tiny_llama_spec(
         ("intermediate_size", intermediate_size),
         ("max_position_embeddings", max_position_embeddings),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        positive_int(name, value)
     if hidden_size % num_heads:
         raise ValueError(
             f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}"
@@ -108,8 +109,8 @@ def tiny_llama_spec(
         raise ValueError(f"seed must be an integer, got {seed!r}")
     if not initializer_range > 0:
         raise ValueError(f"initializer_range must be > 0, got {initializer_range!r}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0):
-        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+    if sliding_window is not None:
+        positive_int("sliding_window", sliding_window)
     return {
         "format": _FORMAT_VERSION,
         "num_layers": num_layers,

@@ -13,6 +13,8 @@ Contract:
 
 from __future__ import annotations
 
+from kvoffload.validation import non_negative_int
+
 LOCALHOST = "127.0.0.1"
 SCHEMES: tuple[str, ...] = ("tcp", "ipc", "inproc")
 
@@ -37,8 +39,7 @@ def normalize(endpoint: str | int) -> str:
 
 def for_rank(endpoint: str, rank: int) -> str:
     """The endpoint of data-parallel ``rank`` derived from the (normalized) ``endpoint``."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"data_parallel_rank must be an int >= 0, got {rank!r}")
+    non_negative_int("data_parallel_rank", rank)
     if rank == 0:
         return endpoint
     if endpoint.startswith("tcp://"):

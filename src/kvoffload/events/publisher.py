@@ -44,6 +44,7 @@ import zmq
 from kvoffload.events import endpoints
 from kvoffload.events.codec import EventEncoder
 from kvoffload.events.types import EVENT_TYPES, HashFormat, KVEvent, KVEventBatch
+from kvoffload.validation import non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +65,6 @@ class PublisherStats:
     malformed_requests: int  # replay requests answered with only the end marker
     encode_errors: int  # batches that could not be encoded (never sent)
 
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class ZmqEventPublisher:
@@ -92,10 +88,9 @@ class ZmqEventPublisher:
     ) -> None:
         if not isinstance(topic, str):
             raise ValueError(f"topic must be a str, got {topic!r}")
-        _positive_int("buffer_steps", buffer_steps)
-        _positive_int("max_queue_size", max_queue_size)
-        if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 0:
-            raise ValueError(f"hwm must be an int >= 0 (0 = unlimited), got {hwm!r}")
+        positive_int("buffer_steps", buffer_steps)
+        positive_int("max_queue_size", max_queue_size)
+        non_negative_int("hwm", hwm, "0 = unlimited")
         if not isinstance(flush_timeout, (int, float)) or flush_timeout < 0:
             raise ValueError(f"flush_timeout must be a number >= 0, got {flush_timeout!r}")
         pub_endpoint = endpoints.for_rank(endpoints.normalize(endpoint), data_parallel_rank)

@@ -35,6 +35,7 @@ from kvoffload.events import endpoints
 from kvoffload.events.codec import EventDecodeError, decode
 from kvoffload.events.publisher import END_SEQ
 from kvoffload.events.types import KVEventBatch
+from kvoffload.validation import non_negative_int
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +83,11 @@ class EventSubscriber:
     ) -> None:
         if not isinstance(topic, str):
             raise ValueError(f"topic must be a str, got {topic!r}")
-        if start_seq is not None and (isinstance(start_seq, bool) or not isinstance(start_seq, int) or start_seq < 0):
-            raise ValueError(f"start_seq must be None or an int >= 0, got {start_seq!r}")
+        if start_seq is not None:
+            non_negative_int("start_seq", start_seq, "or None")
         if not isinstance(replay_timeout, (int, float)) or replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be a positive number of seconds, got {replay_timeout!r}")
-        if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 0:
-            raise ValueError(f"hwm must be an int >= 0 (0 = unlimited), got {hwm!r}")
+        non_negative_int("hwm", hwm, "0 = unlimited")
         self.endpoint = _connect_address(endpoint, data_parallel_rank)
         self.replay_endpoint = None if replay_endpoint is None else _connect_address(replay_endpoint, data_parallel_rank)
         self.topic = topic

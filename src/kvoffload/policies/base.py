@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 
 from kvoffload.keys import OffloadKey
+from kvoffload.validation import non_negative_int
 
 
 class BlockStatus:
@@ -44,9 +45,7 @@ class CachePolicy(ABC):
     admits_all: bool = True
 
     def __init__(self, capacity: int) -> None:
-        if not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = non_negative_int("capacity", capacity)
 
     @abstractmethod
     def insert(self, key: OffloadKey, status: BlockStatus) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from kvoffload.validation import non_negative_int, positive_int
+
 _MASK64 = (1 << 64) - 1
 _MERSENNE61 = (1 << 61) - 1
 # Odd 64-bit multipliers, one per row (multiplicative hashing takes the top bits).
@@ -38,10 +40,8 @@ class FrequencySketch:
     """Approximate recent access counts of keys; memory is fixed by ``capacity``."""
 
     def __init__(self, capacity: int, sample_factor: int = 10, width_factor: int = 1) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
-        if isinstance(sample_factor, bool) or not isinstance(sample_factor, int) or sample_factor <= 0:
-            raise ValueError(f"sample_factor must be a positive int, got {sample_factor!r}")
+        non_negative_int("capacity", capacity)
+        positive_int("sample_factor", sample_factor)
         bits = max(4, (max(capacity * width_factor, 1) - 1).bit_length())
         self.width = 1 << bits
         self._shift = 64 - bits

@@ -45,6 +45,7 @@ from collections.abc import Collection, Sequence
 
 from kvoffload.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.validation import positive_int
 
 
 class TurnLRUPolicy(CachePolicy):
@@ -54,8 +55,7 @@ class TurnLRUPolicy(CachePolicy):
         self, capacity: int, levels: int = 4, gap_weight: float = 0.01, ghost_factor: float = 3.0
     ) -> None:
         super().__init__(capacity)
-        if not isinstance(levels, int) or levels < 1:
-            raise ValueError(f"levels must be a positive int, got {levels!r}")
+        positive_int("levels", levels)
         if not 0.0 < gap_weight <= 1.0:
             raise ValueError(f"gap_weight must be in (0, 1], got {gap_weight!r}")
         if ghost_factor < 0:

@@ -41,6 +41,7 @@ from kvoffload.manager import LookupResult, OffloadingManager
 from kvoffload.scheduler.events import EventConverter
 from kvoffload.scheduler.types import KVGroup, RequestView, StepPlan, StepRequest, TransferJob
 from kvoffload.specs import DeviceLoadStoreSpec
+from kvoffload.validation import positive_int
 
 
 @dataclass
@@ -88,10 +89,8 @@ class OffloadingScheduler:
     ) -> None:
         if not groups:
             raise ValueError("at least one KV-cache group is needed")
-        if isinstance(blocks_per_offload_block, bool) or not isinstance(blocks_per_offload_block, int) or blocks_per_offload_block <= 0:
-            raise ValueError(f"blocks_per_offload_block must be a positive int, got {blocks_per_offload_block!r}")
-        if not isinstance(hash_block_size, int) or hash_block_size <= 0:
-            raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
+        positive_int("blocks_per_offload_block", blocks_per_offload_block)
+        positive_int("hash_block_size", hash_block_size)
         for g, group in enumerate(groups):
             if group.block_size * blocks_per_offload_block % hash_block_size:
                 raise ValueError(

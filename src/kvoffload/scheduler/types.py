@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvoffload.specs import LoadStoreSpec
+from kvoffload.validation import positive_int
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,7 @@ class KVGroup:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"KVGroup.block_size must be a positive int, got {self.block_size!r}")
+        positive_int("KVGroup.block_size", self.block_size)
 
 
 class RequestView(Protocol):

@@ -25,6 +25,7 @@ import time
 from collections.abc import Hashable, Sequence
 
 from kvoffload.sim.replay import ReplayResult
+from kvoffload.validation import non_negative_int
 
 _NEVER = 1 << 62
 
@@ -51,8 +52,7 @@ def replay_belady(key_lists: Sequence[Sequence[Hashable]], capacity: int) -> Rep
 
 def belady_hits(key_lists: Sequence[Sequence[Hashable]], capacity: int) -> tuple[list[int], int, int]:
     """Per-request hit-prefix lengths, keys stored and keys evicted of the offline optimum."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-        raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
+    non_negative_int("capacity", capacity)
     future = next_uses(key_lists)
     # cached key -> its current rank; the heap holds (-next_use, -position, key) entries,
     # stale ones (rank no longer current) are skipped when they surface.

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import OffloadingManager
+from kvoffload.validation import non_negative_int
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,7 @@ class TieredResult:
 
 def device_prefixes(key_lists: Sequence[Sequence[OffloadKey]], device_blocks: int) -> list[int]:
     """How many leading blocks of each request an LRU device cache of ``device_blocks`` serves."""
-    if isinstance(device_blocks, bool) or not isinstance(device_blocks, int) or device_blocks < 0:
-        raise ValueError(f"device_blocks must be a non-negative int, got {device_blocks!r}")
+    non_negative_int("device_blocks", device_blocks)
     if device_blocks == 0:
         return [0] * len(key_lists)
     device = CPUOffloadingManager(device_blocks, "lru")

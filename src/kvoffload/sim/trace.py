@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvoffload.validation import positive_int
+
 MOONCAKE_BLOCK_SIZE = 512
 
 
@@ -76,8 +78,7 @@ def iter_requests(lines: Iterable[str]) -> Iterator[TraceRequest]:
 
 def read_trace(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
     """Read a Mooncake-format JSONL trace whose blocks hold ``block_size`` tokens."""
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    positive_int("block_size", block_size)
     path = Path(path)
     with path.open(encoding="utf-8") as fh:
         requests = list(iter_requests(fh))

@@ -25,6 +25,8 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
+from kvoffload.validation import positive_int
+
 
 class _Batch:
     def __init__(self, tasks: Sequence[tuple], fn: Callable[..., None]) -> None:
@@ -64,9 +66,7 @@ class CopyPool:
     """The calling thread plus ``threads - 1`` daemon helpers."""
 
     def __init__(self, threads: int, name: str = "kvoffload-copy") -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"copy threads must be a positive int, got {threads!r}")
-        self.threads = threads
+        self.threads = positive_int("copy threads", threads)
         self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._helpers = [
             threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True) for i in range(threads - 1)

@@ -1,10 +1,10 @@
 """``CPUExecutor``: store and load jobs between host-resident KV tensors and the host pool.
 
 Used when the engine's KV cache lives in host memory (CPU tensors, e.g. vLLM's CPU
-build). A job arrives as pieces ``(tensor, device_rows, host_rows)`` (see
-``kvoffload.transfer.backends``); ``run`` copies them all and returns the seconds spent,
-or raises, in which case the job's destination rows are unspecified and nothing else is
-touched.
+build). It implements ``kvoffload.transfer.executor.Executor``: a job arrives as pieces
+``(tensor, device_rows, host_rows)``; ``run`` copies them all and returns the seconds
+spent, or raises, in which case the job's destination rows are unspecified and nothing
+else is touched.
 
 How: each piece's row pairs become a plan of bulk numpy copies (``row_plan``: one gather,
 scatter or slice copy per run of consecutive rows, cut into units of about
@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from kvoffload.transfer.copy_pool import CopyPool
+from kvoffload.transfer.executor import Piece
 from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.row_plan import Unit, apply_unit, plan_copies
-
-Piece = tuple[int, np.ndarray, np.ndarray]  # (tensor index, device rows, host rows)
+from kvoffload.validation import positive_int
 
 _OP_BYTES = 256 << 10  # largest single copy; see row_plan on glibc's memcpy
 
@@ -81,8 +81,7 @@ class CPUExecutor:
         """``chunk_bytes``: about how many bytes one thread copies per unit of work (at
         least one row). ``copy_threads``: threads copying one job, the caller included
         (default: CPU count, at most 8); stores and loads share the helpers."""
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        positive_int("chunk_bytes", chunk_bytes)
         self.layout, self.pool = layout, pool
         self.chunk_bytes = chunk_bytes
         self.dtypes = [
@@ -90,6 +89,9 @@ class CPUExecutor:
         ]
         self.threads = copy_threads or min(8, os.cpu_count() or 1)
         self._copies = CopyPool(self.threads)
+
+    def ready_event(self) -> None:
+        return None  # copies of host memory need no ordering with a device stream
 
     def new_state(self) -> None:
         return None

@@ -1,5 +1,8 @@
 """``TransferEngine``: asynchronous store and load jobs between device KV and the host pool.
 
+It is the host-memory ``kvoffload.worker.OffloadingWorker``: its routes are ``GPU -> CPU``
+(a store) and ``CPU -> GPU`` (a load), told apart by the specs' media.
+
 Calling convention (one job = one spec pair, all KV-cache groups of the layout at once):
 
 * store (device -> host): ``submit(job_id, DeviceLoadStoreSpec(...), CPULoadStoreSpec(host_ids))``
@@ -21,8 +24,8 @@ Contract:
 
 * ``submit`` validates everything before queueing and raises ``ValueError`` naming the
   bad value (ids out of range, wrong counts, a group count that is not the layout's,
-  duplicate destinations, a job id already in flight), ``TypeError`` for a spec pair that
-  is neither a store nor a load, and ``RuntimeError`` after ``close``. It returns ``True``
+  duplicate destinations, a job id already in flight), ``TypeError`` for a medium pair
+  that is neither a store nor a load, or specs of the wrong class for their medium, and ``RuntimeError`` after ``close``. It returns ``True``
   when the job is queued.
 * Stores and loads have their own queue and worker; within a direction jobs run and
   complete in submission order, and the two directions overlap.
@@ -36,8 +39,9 @@ Contract:
   ``poll``); unknown ids count as finished. ``close()`` lets queued jobs finish, stops
   the workers, and is idempotent; results remain pollable.
 
-CPU tensors use ``CPUExecutor``, CUDA tensors ``CUDAExecutor`` (see
-``kvoffload.transfer.backends``).
+CPU tensors use ``CPUExecutor`` (``kvoffload.transfer.cpu_executor``), CUDA tensors
+``CUDAExecutor`` (``kvoffload.transfer.cuda_executor``); both follow
+``kvoffload.transfer.executor``.
 """
 
 from __future__ import annotations
@@ -48,27 +52,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
-from kvoffload.specs import LoadStoreSpec
-from kvoffload.transfer.backends import CPUExecutor, CUDAExecutor, Piece
+from kvoffload.specs import MEDIUM_CPU, MEDIUM_DEVICE, CPULoadStoreSpec, DeviceLoadStoreSpec, LoadStoreSpec
+from kvoffload.transfer.cpu_executor import CPUExecutor
+from kvoffload.transfer.cuda_executor import CUDAExecutor
+from kvoffload.transfer.executor import Executor, Piece
 from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.mapping import map_sub_blocks
+from kvoffload.worker import OffloadingWorker, Route, TransferResult
 
-STORE = "store"
-LOAD = "load"
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    job_id: int
-    success: bool
-    bytes: int
-    seconds: float
-    direction: str  # "store" (device -> host) or "load" (host -> device)
-    error: str | None = None
+STORE = "store"  # device -> host
+LOAD = "load"  # host -> device
+_DIRECTIONS: dict[Route, str] = {(MEDIUM_DEVICE, MEDIUM_CPU): STORE, (MEDIUM_CPU, MEDIUM_DEVICE): LOAD}
 
 
 @dataclass
@@ -77,7 +73,7 @@ class _Job:
     store: bool
     pieces: list[Piece]
     nbytes: int
-    ready: object = None  # CUDA event on the submitting stream
+    ready: object = None  # the executor's ready_event() taken at submit
 
 
 def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
@@ -86,8 +82,10 @@ def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
         raise ValueError(f"{what} {int(bad[0])} out of range [0, {limit})")
 
 
-class TransferEngine:
+class TransferEngine(OffloadingWorker):
     """Moves KV pages between ``layout``'s tensors and ``host_pool``, asynchronously."""
+
+    routes = frozenset(_DIRECTIONS)
 
     def __init__(
         self,
@@ -105,7 +103,7 @@ class TransferEngine:
         self.layout = layout
         self.host_pool = host_pool
         if layout.device.type == "cuda":
-            self._executor: CPUExecutor | CUDAExecutor = CUDAExecutor(layout, host_pool)
+            self._executor: Executor = CUDAExecutor(layout, host_pool)
         elif layout.device.type == "cpu":
             self._executor = CPUExecutor(layout, host_pool, chunk_bytes, copy_threads)
         else:
@@ -127,14 +125,19 @@ class TransferEngine:
     def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         if self._closed:
             raise RuntimeError(f"submit({job_id}) after close()")
-        if isinstance(src_spec, DeviceLoadStoreSpec) and isinstance(dst_spec, CPULoadStoreSpec):
-            store, device_spec, host_spec = True, src_spec, dst_spec
-        elif isinstance(src_spec, CPULoadStoreSpec) and isinstance(dst_spec, DeviceLoadStoreSpec):
-            store, device_spec, host_spec = False, dst_spec, src_spec
-        else:
+        direction = _DIRECTIONS.get((src_spec.medium, dst_spec.medium))
+        if direction is None:
             raise TypeError(
-                "a job is (DeviceLoadStoreSpec, CPULoadStoreSpec) for a store or the reverse "
-                f"for a load, got ({type(src_spec).__name__}, {type(dst_spec).__name__})"
+                "TransferEngine moves GPU->CPU stores (DeviceLoadStoreSpec, CPULoadStoreSpec) and "
+                f"CPU->GPU loads (the reverse), got {src_spec.medium or '?'}->{dst_spec.medium or '?'} "
+                f"({type(src_spec).__name__}, {type(dst_spec).__name__})"
+            )
+        store = direction == STORE
+        device_spec, host_spec = (src_spec, dst_spec) if store else (dst_spec, src_spec)
+        if not (isinstance(device_spec, DeviceLoadStoreSpec) and isinstance(host_spec, CPULoadStoreSpec)):
+            raise TypeError(
+                f"a {direction} job needs a DeviceLoadStoreSpec and a CPULoadStoreSpec, got "
+                f"({type(src_spec).__name__}, {type(dst_spec).__name__})"
             )
         job = self._plan(job_id, store, device_spec, host_spec)
         with self._lock:
@@ -143,8 +146,7 @@ class TransferEngine:
             if job_id in self._pending:
                 raise ValueError(f"job id {job_id} is already in flight")
             self._pending.add(job_id)
-        if isinstance(self._executor, CUDAExecutor):
-            job.ready = self._executor.ready_event()
+        job.ready = self._executor.ready_event()
         self._queues[STORE if store else LOAD].put(job)
         return True
 
@@ -219,9 +221,3 @@ class TransferEngine:
         for thread in self._threads:
             thread.join()
         self._executor.close()
-
-    def __enter__(self) -> TransferEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

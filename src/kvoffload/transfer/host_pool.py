@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.validation import non_negative_int, positive_int
 
 
 class HostBlockPool:
@@ -32,16 +33,8 @@ class HostBlockPool:
         blocks_per_host_block: int = 1,
         pin_memory: bool | None = None,
     ) -> None:
-        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 0:
-            raise ValueError(f"num_host_blocks must be a non-negative int, got {num_host_blocks!r}")
-        if (
-            isinstance(blocks_per_host_block, bool)
-            or not isinstance(blocks_per_host_block, int)
-            or blocks_per_host_block < 1
-        ):
-            raise ValueError(
-                f"blocks_per_host_block must be a positive int, got {blocks_per_host_block!r}"
-            )
+        non_negative_int("num_host_blocks", num_host_blocks)
+        positive_int("blocks_per_host_block", blocks_per_host_block)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.layout = layout

@@ -19,25 +19,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.policies import resolve_policy
 from kvoffload.scheduler.events import EVENT_MODES
+from kvoffload.tiers.factory import TierConfig
+from kvoffload.validation import positive_int
 
 KNOWN_KEYS = ("cpu_bytes_to_use", "block_size", "eviction_policy", "kv_events")
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    cpu_bytes_to_use: int
-    blocks_per_offload_block: int
-    eviction_policy: str
+    """The tiers to build (``kvoffload.tiers.factory``) and the form of their KV events."""
+
+    tiers: TierConfig
     kv_events: str
 
 
 def _positive_int(extra: Mapping[str, Any], key: str) -> int:
-    value = extra[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a positive int, got {value!r}")
-    return value
+    return positive_int(f"kv_connector_extra_config[{key!r}]", extra[key])
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) -> OffloadConfig:
@@ -57,12 +55,11 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
                 f"kv_connector_extra_config['block_size'] must be a multiple of the engine block size "
                 f"{engine_block_size}, got {block_size}"
             )
-    policy = extra.get("eviction_policy", "lru")
-    try:
-        resolve_policy(policy)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"kv_connector_extra_config['eviction_policy']: {exc}") from None
     events = extra.get("kv_events", "self_describing")
     if events not in EVENT_MODES:
         raise ValueError(f"kv_connector_extra_config['kv_events'] must be one of {list(EVENT_MODES)}, got {events!r}")
-    return OffloadConfig(cpu_bytes, block_size // engine_block_size, policy, events)
+    try:
+        tiers = TierConfig(cpu_bytes, block_size // engine_block_size, extra.get("eviction_policy", "lru"))
+    except ValueError as exc:
+        raise ValueError(f"kv_connector_extra_config: {exc}") from None
+    return OffloadConfig(tiers, events)

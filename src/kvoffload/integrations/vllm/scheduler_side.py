@@ -15,12 +15,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, Sliding
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.events import types as kv_types
 from kvoffload.integrations.vllm.config import OffloadConfig
 from kvoffload.integrations.vllm.layout import host_block_bytes
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
+from kvoffload.tiers.factory import build_manager
 
 
 # vLLM's block pool hands out block 0 as its null block, the placeholder for positions
@@ -46,20 +46,17 @@ def _kv_groups(kv_cache_config: KVCacheConfig) -> list[KVGroup]:
 
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
-        per_block = host_block_bytes(kv_cache_config, config.blocks_per_offload_block)
-        num_host_blocks = config.cpu_bytes_to_use // per_block
-        if num_host_blocks == 0:
-            raise ValueError(
-                f"kv_connector_extra_config['cpu_bytes_to_use']={config.cpu_bytes_to_use} holds no "
-                f"offloaded block ({per_block} bytes each)"
-            )
-        self.manager = CPUOffloadingManager(num_host_blocks, config.eviction_policy, enable_events=True)
+        tiers = config.tiers
+        try:
+            self.manager = build_manager(tiers, host_block_bytes(kv_cache_config, tiers.blocks_per_offload_block))
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config: {exc}") from None
         hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
         self.scheduler = OffloadingScheduler(
             self.manager,
             _kv_groups(kv_cache_config),
             hash_block_size=hash_block_size,
-            blocks_per_offload_block=config.blocks_per_offload_block,
+            blocks_per_offload_block=tiers.blocks_per_offload_block,
             kv_events=config.kv_events,
             null_block_id=NULL_BLOCK_ID,
         )

@@ -1,4 +1,5 @@
-"""The worker half of ``KVOffloadConnector``: runs each step's plan on a ``TransferEngine``.
+"""The worker half of ``KVOffloadConnector``: runs each step's plan on the tiers' worker
+(an ``OffloadingWorker`` from ``kvoffload.tiers.factory``).
 
 Per step (vLLM's call order): ``handle_preemptions`` waits for the jobs of preempted
 requests; ``start_load_kv`` submits loads (before the forward pass); ``wait_for_save``
@@ -21,7 +22,8 @@ from kvoffload.integrations.vllm.config import OffloadConfig
 from kvoffload.integrations.vllm.layout import build_layout, host_block_bytes
 from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
 from kvoffload.scheduler import StepPlan, TransferJob
-from kvoffload.transfer import HostBlockPool, TransferEngine
+from kvoffload.tiers.factory import build_worker
+from kvoffload.worker import OffloadingWorker
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ class WorkerSide:
     def __init__(self, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
         self._kv_cache_config = kv_cache_config
         self._config = config
-        self.engine: TransferEngine | None = None
+        self.worker: OffloadingWorker | None = None
         self._jobs: dict[int, TransferJob] = {}  # submitted, not finished
         self._held: dict[str, set[int]] = {}
         self._finished: dict[int, tuple[int, bool]] = {}
@@ -39,16 +41,16 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layout = build_layout(kv_caches, self._kv_cache_config)
-        per_block = host_block_bytes(self._kv_cache_config, self._config.blocks_per_offload_block)
-        num_host_blocks = self._config.cpu_bytes_to_use // per_block
-        pool = HostBlockPool(layout, num_host_blocks, self._config.blocks_per_offload_block)
-        self.engine = TransferEngine(layout, pool)
-        logger.info("kvoffload: %d host blocks (%.1f MiB) for %s", num_host_blocks, pool.nbytes / 2**20, layout)
+        tiers = self._config.tiers
+        per_block = host_block_bytes(self._kv_cache_config, tiers.blocks_per_offload_block)
+        self.worker = build_worker(tiers, layout, per_block)
+        num_blocks = tiers.num_host_blocks(per_block)
+        logger.info("kvoffload: %d host blocks (%.1f MiB) for %s", num_blocks, num_blocks * per_block / 2**20, layout)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         jobs = [job for ids in plan.flush.values() for job in ids]
-        if jobs and self.engine is not None:
-            self.engine.wait(jobs)
+        if jobs and self.worker is not None:
+            self.worker.wait(jobs)
 
     def start_loads(self, plan: StepPlan) -> None:
         for req_id, jobs in plan.hold_blocks.items():
@@ -60,11 +62,11 @@ class WorkerSide:
         self._submit(plan.stores)
 
     def _submit(self, jobs: list[TransferJob]) -> None:
-        assert self.engine is not None, "register_kv_caches was not called"
+        assert self.worker is not None, "register_kv_caches was not called"
         for job in jobs:
             self._jobs[job.job_id] = job
             try:
-                self.engine.submit(job.job_id, job.src_spec, job.dst_spec)
+                self.worker.submit(job.job_id, job.src_spec, job.dst_spec)
             except ValueError as exc:  # a bad spec fails the job; it must not stop the engine
                 logger.error("kvoffload: job %d rejected: %s", job.job_id, exc)
                 self._finish(job.job_id, False)
@@ -80,12 +82,12 @@ class WorkerSide:
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         recving: set[str] = set()
-        if self.engine is not None:
+        if self.worker is not None:
             # The loads started this step overlapped the forward pass; waiting for their
             # tail here lets their requests run next step instead of one or two later.
-            self.engine.wait(self._step_loads)
+            self.worker.wait(self._step_loads)
             self._step_loads = []
-            for result in self.engine.poll():
+            for result in self.worker.poll():
                 if not result.success:
                     logger.warning("kvoffload: %s job %d failed: %s", result.direction, result.job_id, result.error)
                 finished = self._finish(result.job_id, result.success)
@@ -107,5 +109,5 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        if self.worker is not None:
+            self.worker.close()

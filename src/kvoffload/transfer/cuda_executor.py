@@ -1,19 +1,12 @@
-"""Copy executors behind ``TransferEngine``: how one job's rows move on each device kind.
+"""``CUDAExecutor``: store and load jobs between CUDA KV tensors and a pinned host pool.
 
-A job reaches an executor as *pieces* ``(tensor, device_rows, host_rows)``: for one layout
-tensor, device block ``device_rows[i]`` pairs with host sub-block ``host_rows[i]``. A store
-copies device -> host, a load host -> device. Executors raise on any error; the engine
-turns that into a failed result.
-
-* ``CPUExecutor`` (device tensors in host memory, e.g. vLLM's CPU build): bulk numpy
-  copies, one per run of consecutive rows, on a small pool of our own threads; see
-  ``kvoffload.transfer.cpu_executor``.
-* ``CUDAExecutor``: runs on a side stream per direction. Rows are sorted by host
-  sub-block so that consecutive host rows form runs; the device side is gathered
-  (store) or scattered (load) in one ``index_select`` / ``index_copy_`` on the device,
-  and each run crosses the bus as one ``non_blocking`` copy to or from pinned memory.
-  Freshly allocated host blocks are usually consecutive, so a job is typically one copy
-  per tensor; the worst case (scattered host ids, F=1) is one copy per block.
+It implements ``kvoffload.transfer.executor.Executor`` and runs on a side stream per
+engine worker thread (one per direction). Rows are sorted by host sub-block so that
+consecutive host rows form runs; the device side is gathered (store) or scattered (load)
+in one ``index_select`` / ``index_copy_`` on the device, and each run crosses the bus as
+one ``non_blocking`` copy to or from pinned memory. Freshly allocated host blocks are
+usually consecutive, so a job is typically one copy per tensor; the worst case (scattered
+host ids, F=1) is one copy per block.
 """
 
 from __future__ import annotations
@@ -23,12 +16,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvoffload.transfer.cpu_executor import CPUExecutor, Piece
+from kvoffload.transfer.executor import Piece
 from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.row_plan import run_bounds
 
-__all__ = ["CPUExecutor", "CUDAExecutor", "Piece"]
 
 class CUDAExecutor:
     """Side-stream copies between CUDA KV tensors and a pinned host pool."""

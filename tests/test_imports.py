@@ -1,0 +1,42 @@
+"""Import weight: the scheduler-side layers are pure bookkeeping and must not load the
+worker's or the event transport's heavy dependencies (torch, pyzmq)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "zmq")
+
+
+def imported_top_level_modules(code: str) -> set[str]:
+    """Top-level module names Python reports loading (``-X importtime``) while running ``code``."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, check=True
+    )
+    names = set()
+    for line in proc.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import kvoffload.scheduler; kvoffload.scheduler.OffloadingScheduler; kvoffload.scheduler.KVGroup",
+        "import kvoffload.cpu, kvoffload.specs, kvoffload.worker, kvoffload.policies",
+        "from kvoffload.tiers.factory import TierConfig, build_manager",
+        "from kvoffload.events.types import BlockStored; from kvoffload.events.codec import encode",
+    ],
+)
+def test_scheduler_side_imports_load_neither_torch_nor_zmq(code):
+    loaded = imported_top_level_modules(code)
+    assert "kvoffload" in loaded  # the probe sees our own imports
+    assert not loaded & set(HEAVY), f"{code!r} loaded {sorted(loaded & set(HEAVY))}"
+
+
+def test_the_probe_sees_torch_when_the_worker_side_is_imported():
+    assert "torch" in imported_top_level_modules("import kvoffload.transfer; kvoffload.transfer.TransferEngine")

@@ -1,0 +1,58 @@
+"""Tiers from configuration: both halves agree on the host block count; bad settings
+raise errors naming the setting and the value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transfer_oracle import three_group_layer_caches
+
+from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.keys import make_offload_key
+from kvoffload.policies import ARCPolicy
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
+from kvoffload.tiers.factory import TierConfig, build_manager, build_worker
+from kvoffload.transfer import KVLayout
+from kvoffload.worker import WorkerRouter
+
+
+def test_manager_and_worker_hold_the_same_number_of_blocks():
+    gen = torch.Generator().manual_seed(0)
+    caches, groups = three_group_layer_caches(8, gen)
+    layout = KVLayout.from_layer_tensors(caches, groups)
+    block_bytes = sum(layout.page_bytes(t) for t in range(len(layout.tensors))) * 2
+    config = TierConfig(cpu_bytes_to_use=block_bytes * 5 + block_bytes // 2, blocks_per_offload_block=2, eviction_policy="arc")
+    manager = build_manager(config, block_bytes)
+    assert isinstance(manager, CPUOffloadingManager) and isinstance(manager.policy, ARCPolicy)
+    assert manager.stats().capacity == 5
+    with build_worker(config, layout, block_bytes) as worker:
+        assert isinstance(worker, WorkerRouter)
+        engine = worker.worker_for(("GPU", "CPU"))
+        assert engine.host_pool.num_blocks == 5 and engine.host_pool.blocks_per_host_block == 2
+        # the last slot the manager can hand out is a block the worker can write
+        keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(5)]
+        out = manager.prepare_store(keys)
+        last = int(out.store_spec.block_ids[-1])
+        assert last == 4
+        worker.submit(0, DeviceLoadStoreSpec([6, 7], [2, 0, 0, 0], [0] * 4), CPULoadStoreSpec([last]))
+        worker.wait([0])
+        assert [(r.job_id, r.success) for r in worker.poll()] == [(0, True)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(cpu_bytes_to_use=0), "cpu_bytes_to_use must be a positive int, got 0"),
+        (dict(cpu_bytes_to_use=True), "cpu_bytes_to_use must be a positive int, got True"),
+        (dict(cpu_bytes_to_use=1, blocks_per_offload_block=0), "blocks_per_offload_block must be a positive int, got 0"),
+        (dict(cpu_bytes_to_use=1, eviction_policy="nope"), "eviction_policy: unknown eviction policy 'nope'"),
+    ],
+)
+def test_bad_settings_name_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TierConfig(**kwargs)
+
+
+def test_a_budget_below_one_block_names_both_sizes():
+    with pytest.raises(ValueError, match=r"cpu_bytes_to_use=100 holds no offloaded block \(101 bytes each\)"):
+        build_manager(TierConfig(cpu_bytes_to_use=100), 101)

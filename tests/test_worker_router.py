@@ -1,0 +1,153 @@
+"""The worker contract: ``WorkerRouter`` routes jobs by their (source, destination) medium
+to peer workers; the host-memory ``TransferEngine`` is one of them."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transfer_oracle import three_group_layer_caches
+
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec, LoadStoreSpec
+from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
+from kvoffload.worker import OffloadingWorker, TransferResult, WorkerRouter
+
+
+class ShelfSpec(LoadStoreSpec):
+    """Slots of a second medium (a dict 'shelf' of bytes), to give the router a peer."""
+
+    medium = "SHELF"
+
+    def __init__(self, slots):
+        self.slots = list(slots)
+
+
+class ShelfWorker(OffloadingWorker):
+    """A real, if small, mover between host-pool rows and a dict of bytes. Jobs run when
+    ``release`` is set, so a test controls when they finish."""
+
+    routes = frozenset({("CPU", "SHELF"), ("SHELF", "CPU")})
+
+    def __init__(self, pool: HostBlockPool):
+        self.pool = pool
+        self.shelf: dict[int, bytes] = {}
+        self.release = threading.Event()
+        self._results: list[TransferResult] = []
+        self._threads: dict[int, threading.Thread] = {}
+        self.closed = False
+
+    def submit(self, job_id, src_spec, dst_spec):
+        if job_id in self._threads:
+            raise ValueError(f"job id {job_id} is already in flight")
+        thread = threading.Thread(target=self._run, args=(job_id, src_spec, dst_spec))
+        self._threads[job_id] = thread
+        thread.start()
+        return True
+
+    def _run(self, job_id, src, dst):
+        self.release.wait()
+        tensor = self.pool.tensors[0]
+        if src.medium == "CPU":
+            for block, slot in zip(src.block_ids.tolist(), dst.slots):
+                self.shelf[slot] = tensor[block].numpy().tobytes()
+        else:
+            for slot, block in zip(src.slots, dst.block_ids.tolist()):
+                tensor[block].copy_(torch.frombuffer(bytearray(self.shelf[slot]), dtype=torch.uint8))
+        self._results.append(TransferResult(job_id, True, 0, 0.0, f"{src.medium}->{dst.medium}"))
+
+    def poll(self):
+        results, self._results = self._results, []
+        for result in results:
+            self._threads.pop(result.job_id).join()
+        return results
+
+    def wait(self, job_ids, timeout=None):
+        for job_id in job_ids:
+            thread = self._threads.get(job_id)
+            if thread is not None:
+                thread.join(timeout)
+                if thread.is_alive():
+                    raise TimeoutError(f"job {job_id} still running")
+
+    def close(self):
+        self.release.set()
+        for thread in list(self._threads.values()):
+            thread.join()
+        self.closed = True
+
+
+@pytest.fixture
+def setup():
+    gen = torch.Generator().manual_seed(3)
+    caches, groups = three_group_layer_caches(8, gen)
+    layout = KVLayout.from_layer_tensors(caches, groups)
+    pool = HostBlockPool(layout, 4)
+    engine = TransferEngine(layout, pool)
+    shelf = ShelfWorker(pool)
+    router = WorkerRouter([engine, shelf])
+    yield layout, pool, engine, shelf, router
+    router.close()
+
+
+def device_spec(ids):
+    return DeviceLoadStoreSpec(ids, [len(ids), 0, 0, 0], [0, 0, 0, 0])
+
+
+def test_jobs_reach_the_worker_of_their_media_and_bytes_travel_through_both(setup):
+    layout, pool, engine, shelf, router = setup
+    assert router.routes == {("GPU", "CPU"), ("CPU", "GPU"), ("CPU", "SHELF"), ("SHELF", "CPU")}
+    assert router.worker_for(("GPU", "CPU")) is engine and router.worker_for(("SHELF", "CPU")) is shelf
+    original = layout.tensors[0][5].clone()
+    # device block 5 -> host block 2 -> shelf slot 9 -> host block 3 -> device block 1
+    router.submit(1, device_spec([5]), CPULoadStoreSpec([2]))
+    router.wait([1])
+    shelf.release.set()
+    router.submit(2, CPULoadStoreSpec([2]), ShelfSpec([9]))
+    router.wait([2])
+    router.submit(3, ShelfSpec([9]), CPULoadStoreSpec([3]))
+    router.wait([3])
+    router.submit(4, CPULoadStoreSpec([3]), device_spec([1]))
+    router.wait([4])
+    results = router.poll()
+    assert sorted(r.job_id for r in results) == [1, 2, 3, 4] and all(r.success for r in results)
+    assert {r.job_id: r.direction for r in results} == {1: "store", 2: "CPU->SHELF", 3: "SHELF->CPU", 4: "load"}
+    assert torch.equal(layout.tensors[0][1], original)
+
+
+def test_a_medium_pair_nobody_moves_is_a_type_error_naming_it(setup):
+    *_, router = setup
+    with pytest.raises(TypeError, match="no worker moves GPU->SHELF"):
+        router.submit(1, device_spec([0]), ShelfSpec([0]))
+
+
+def test_two_workers_claiming_one_route_are_refused(setup):
+    _, pool, engine, *_ = setup
+    with pytest.raises(ValueError, match="route CPU->SHELF is served by both ShelfWorker and ShelfWorker"):
+        WorkerRouter([ShelfWorker(pool), ShelfWorker(pool)])
+
+
+def test_a_job_id_in_flight_in_one_worker_is_refused_for_another(setup):
+    layout, pool, engine, shelf, router = setup
+    router.submit(7, CPULoadStoreSpec([0]), ShelfSpec([0]))  # held until release
+    with pytest.raises(ValueError, match="job id 7 is already in flight"):
+        router.submit(7, device_spec([0]), CPULoadStoreSpec([1]))
+    with pytest.raises(TimeoutError, match="job 7"):
+        router.wait([7], timeout=0.05)
+    shelf.release.set()
+    router.wait([7])
+    assert [r.job_id for r in router.poll()] == [7]
+    router.submit(7, device_spec([0]), CPULoadStoreSpec([1]))  # free again once polled
+    router.wait([7])
+    assert [(r.job_id, r.success) for r in router.poll()] == [(7, True)]
+
+
+def test_close_closes_every_worker_and_refuses_later_jobs(setup):
+    *_, engine, shelf, router = setup
+    router.close()
+    router.close()  # idempotent
+    assert shelf.closed
+    with pytest.raises(RuntimeError, match="after close"):
+        router.submit(1, device_spec([0]), CPULoadStoreSpec([0]))
+    with pytest.raises(RuntimeError, match="after close"):
+        engine.submit(1, device_spec([0]), CPULoadStoreSpec([0]))
