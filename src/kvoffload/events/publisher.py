@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from kvoffload.counters import Counters
 from kvoffload.events import endpoints
 from kvoffload.events.codec import EventEncoder
 from kvoffload.events.types import EVENT_TYPES, HashFormat, KVEvent, KVEventBatch
@@ -54,16 +55,16 @@ _STOP = object()
 _BIND_RETRY_S = 1.0  # a restarted publisher may find its old port still closing
 
 
-@dataclass(frozen=True)
-class PublisherStats:
-    published: int  # batches given to publish(); also the next sequence number
-    sent: int  # batches handed to the PUB socket
-    dropped_sends: int  # sends dropped because the queue was full (still replayable)
-    buffered: int  # batches in the replay buffer
-    replay_requests: int  # well-formed replay requests served
-    replayed: int  # batches sent in replay replies
-    malformed_requests: int  # replay requests answered with only the end marker
-    encode_errors: int  # batches that could not be encoded (never sent)
+@dataclass
+class PublisherStats(Counters):
+    published: int = 0  # batches given to publish(); also the next sequence number
+    sent: int = 0  # batches handed to the PUB socket
+    dropped_sends: int = 0  # sends dropped because the queue was full (still replayable)
+    buffered: int = 0  # batches in the replay buffer
+    replay_requests: int = 0  # well-formed replay requests served
+    replayed: int = 0  # batches sent in replay replies
+    malformed_requests: int = 0  # replay requests answered with only the end marker
+    encode_errors: int = 0  # batches that could not be encoded (never sent)
 
 
 
@@ -114,12 +115,7 @@ class ZmqEventPublisher:
         self._next_seq = 0
         self._enqueued = 0
         self._dequeued = 0  # written by the sender thread only
-        self._sent = 0
-        self._dropped = 0
-        self._replay_requests = 0
-        self._replayed = 0
-        self._malformed = 0
-        self._encode_errors = 0
+        self._stats = PublisherStats()  # published and buffered are filled in by stats()
         self._closed = False
         self._abandon_queue = False
         self._stopping = threading.Event()
@@ -175,7 +171,7 @@ class ZmqEventPublisher:
             entry = [seq, batch]
             self._buffer.append(entry)
             if self._enqueued - self._dequeued >= self._max_queue:
-                self._dropped += 1
+                self._stats.dropped_sends += 1
             else:
                 self._enqueued += 1
                 self._queue.put(entry)
@@ -191,23 +187,14 @@ class ZmqEventPublisher:
         except (ValueError, TypeError, msgspec.EncodeError) as exc:
             logger.error("KV event batch %d cannot be encoded and is dropped: %s", entry[0], exc)
             with self._lock:
-                self._encode_errors += 1
+                self._stats.encode_errors += 1
             payload = None
         entry[1] = payload  # the sender and a replay may both encode it; same bytes
         return payload
 
     def stats(self) -> PublisherStats:
         with self._lock:
-            return PublisherStats(
-                published=self._next_seq,
-                sent=self._sent,
-                dropped_sends=self._dropped,
-                buffered=len(self._buffer),
-                replay_requests=self._replay_requests,
-                replayed=self._replayed,
-                malformed_requests=self._malformed,
-                encode_errors=self._encode_errors,
-            )
+            return self._stats.snapshot(published=self._next_seq, buffered=len(self._buffer))
 
     def close(self) -> None:
         """Flush queued sends for at most ``flush_timeout`` seconds, then close. Idempotent."""
@@ -252,7 +239,7 @@ class ZmqEventPublisher:
                 # PUB never blocks: at its high-water mark ZMQ drops the message for that
                 # subscriber, who then repairs the gap by replay.
                 pub.send_multipart((topic, item[0].to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
-                self._sent += 1
+                self._stats.sent += 1
             except zmq.ZMQError as exc:
                 logger.warning("KV event send of seq %d failed: %s", item[0], exc)
         pub.close(linger=int(self._flush_timeout * 1000))
@@ -274,13 +261,13 @@ class ZmqEventPublisher:
         client = frames[0]
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             with self._lock:
-                self._malformed += 1
+                self._stats.malformed_requests += 1
             logger.warning("malformed KV event replay request %r; answering with the end marker", frames[1:])
             sock.send_multipart((client, b"", *END_MARKER))
             return
         start = int.from_bytes(frames[2], "big")
         with self._lock:
-            self._replay_requests += 1
+            self._stats.replay_requests += 1
             first = self._buffer[0][0] if self._buffer else 0
             # Sequence numbers in the buffer are contiguous, so the start is an offset.
             wanted = list(itertools.islice(self._buffer, max(0, start - first), None))
@@ -290,7 +277,7 @@ class ZmqEventPublisher:
                 sock.send_multipart((client, b"", self._topic_bytes, entry[0].to_bytes(8, "big"), payload))
         sock.send_multipart((client, b"", *END_MARKER))
         with self._lock:
-            self._replayed += len(wanted)
+            self._stats.replayed += len(wanted)
 
     @staticmethod
     def _attach(sock: zmq.Socket, endpoint: str, bind: bool) -> str:

@@ -27,10 +27,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import zmq
 
+from kvoffload.counters import Counters
 from kvoffload.events import endpoints
 from kvoffload.events.codec import EventDecodeError, decode
 from kvoffload.events.publisher import END_SEQ
@@ -43,7 +44,7 @@ _AHEAD_LIMIT = 1 << 20  # remembered replay-ahead payload hashes, if live never 
 
 
 @dataclass
-class SubscriberStats:
+class SubscriberStats(Counters):
     decoded: int = 0
     live: int = 0
     replayed: int = 0
@@ -52,9 +53,6 @@ class SubscriberStats:
     duplicates: int = 0
     restarts: int = 0
     replay_requests: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _connect_address(endpoint: str | int, rank: int) -> str:
@@ -149,7 +147,7 @@ class EventSubscriber:
         return self._expected
 
     def stats(self) -> SubscriberStats:
-        return SubscriberStats(**self._stats.as_dict())
+        return self._stats.snapshot()
 
     def close(self) -> None:
         self._sub.close(linger=0)

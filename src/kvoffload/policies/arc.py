@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from kvoffload.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.policies.base import BlockStatus, CachePolicy, evictable_keys
 
 
 class ARCPolicy(CachePolicy):
@@ -78,10 +78,10 @@ class ARCPolicy(CachePolicy):
         t1, t2 = self._t1, self._t2
         # The paper takes from T1 while |T1| > p; each victim shrinks |T1| by one.
         excess = len(t1) - self.target_t1
-        from_t1 = _scan(t1, min(n, math.ceil(excess)) if excess > 0 else 0, protected)
-        from_t2 = _scan(t2, n - len(from_t1), protected)
+        from_t1 = evictable_keys(t1, min(n, math.ceil(excess)) if excess > 0 else 0, protected)
+        from_t2 = evictable_keys(t2, n - len(from_t1), protected)
         if len(from_t1) + len(from_t2) < n:
-            from_t1 = _scan(t1, n - len(from_t2), protected)
+            from_t1 = evictable_keys(t1, n - len(from_t2), protected)
             if len(from_t1) + len(from_t2) < n:
                 return None
         b1, b2 = self._b1, self._b2
@@ -99,21 +99,6 @@ class ARCPolicy(CachePolicy):
         self.target_t1 = 0.0
         for lst in (self._t1, self._t2, self._b1, self._b2):
             lst.clear()
-
-
-def _scan(
-    order: OrderedDict[OffloadKey, BlockStatus], n: int, protected: Collection[OffloadKey]
-) -> list[OffloadKey]:
-    """Up to ``n`` evictable keys from the LRU end of ``order``."""
-    found: list[OffloadKey] = []
-    if n <= 0:
-        return found
-    for key, status in order.items():
-        if status.ref == 0 and key not in protected:
-            found.append(key)
-            if len(found) == n:
-                break
-    return found
 
 
 def _trim(ghosts: OrderedDict[OffloadKey, None], bound: int) -> None:

@@ -13,7 +13,7 @@ evicted: in flight (``-1``) or pinned (``> 0``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from kvoffload.keys import OffloadKey
 from kvoffload.validation import non_negative_int
@@ -75,3 +75,27 @@ class CachePolicy(ABC):
     def admit(self, key: OffloadKey) -> bool:
         """Whether ``key`` should be stored at all (only asked when ``admits_all`` is false)."""
         return True
+
+
+def evictable_keys(
+    order: Mapping[OffloadKey, BlockStatus], limit: int, protected: Collection[OffloadKey]
+) -> list[OffloadKey]:
+    """Up to ``limit`` keys of ``order``, first to last, that are idle (``ref == 0``) and
+    not in ``protected``. Changes nothing."""
+    found: list[OffloadKey] = []
+    if limit <= 0:
+        return found
+    for key, status in order.items():
+        if status.ref == 0 and key not in protected:
+            found.append(key)
+            if len(found) == limit:
+                break
+    return found
+
+
+def first_evictable(order: Mapping[OffloadKey, BlockStatus], protected: Collection[OffloadKey]) -> OffloadKey | None:
+    """The first idle key of ``order`` not in ``protected``, or ``None``."""
+    for key, status in order.items():
+        if status.ref == 0 and key not in protected:
+            return key
+    return None

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from kvoffload.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.policies.base import BlockStatus, CachePolicy, evictable_keys
 
 
 class LRUPolicy(CachePolicy):
@@ -38,17 +38,10 @@ class LRUPolicy(CachePolicy):
                 move(key)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
-        if n <= 0:
-            return []
-        victims: list[OffloadKey] = []
-        for key, status in self._order.items():
-            if status.ref == 0 and key not in protected:
-                victims.append(key)
-                if len(victims) == n:
-                    break
-        else:
-            return None
         order = self._order
+        victims = evictable_keys(order, n, protected)
+        if len(victims) < n:
+            return None
         for key in victims:
             del order[key]
         return victims

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from kvoffload.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.policies.base import BlockStatus, CachePolicy, first_evictable
 
 _MAX_FREQ = 3
 
@@ -77,7 +77,7 @@ class S3FIFOPolicy(CachePolicy):
         victims: list[tuple[OffloadKey, BlockStatus, bool]] = []  # (key, status, from S)
         while len(victims) < n:
             key = None
-            if len(small) > self.small_target or not _any_evictable(main, protected):
+            if len(small) > self.small_target or first_evictable(main, protected) is None:
                 key = self._evict_small(protected)
                 if key is not None:
                     victims.append((key, small.pop(key), True))
@@ -106,7 +106,7 @@ class S3FIFOPolicy(CachePolicy):
         """The oldest evictable key of S that earned no promotion; promotes those that did."""
         small, main, freq = self._small, self._main, self._freq
         while True:
-            key = _first_evictable(small, protected)
+            key = first_evictable(small, protected)
             if key is None:
                 return None
             if freq[key] < self.promote_after:
@@ -119,7 +119,7 @@ class S3FIFOPolicy(CachePolicy):
         main, freq = self._main, self._freq
         # Counters are at most 3, so four passes over the evictable keys always find one.
         for _ in range(_MAX_FREQ * len(main) + 1):
-            key = _first_evictable(main, protected)
+            key = first_evictable(main, protected)
             if key is None:
                 return None
             if freq[key] == 0:
@@ -138,14 +138,3 @@ class S3FIFOPolicy(CachePolicy):
     def clear(self) -> None:
         for store in (self._small, self._main, self._ghost, self._freq):
             store.clear()
-
-
-def _first_evictable(queue: OrderedDict[OffloadKey, BlockStatus], protected: Collection[OffloadKey]) -> OffloadKey | None:
-    for key, status in queue.items():
-        if status.ref == 0 and key not in protected:
-            return key
-    return None
-
-
-def _any_evictable(queue: OrderedDict[OffloadKey, BlockStatus], protected: Collection[OffloadKey]) -> bool:
-    return _first_evictable(queue, protected) is not None

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from kvoffload.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.policies.base import BlockStatus, CachePolicy, first_evictable
 from kvoffload.policies.sketch import FrequencySketch
 
 _Segment = OrderedDict  # key -> BlockStatus, oldest first
@@ -101,7 +101,7 @@ class WTinyLFUPolicy(CachePolicy):
         victims: list[tuple[OffloadKey, BlockStatus, _Segment]] = []
         main_share = self.capacity - self.window_target
         while len(victims) < n:
-            candidate = _first_evictable(window, protected) if len(window) > self.window_target else None
+            candidate = first_evictable(window, protected) if len(window) > self.window_target else None
             if candidate is not None and len(self._probation) + len(self._protected) < main_share:
                 # The main area has room (the cache is filling up): no duel needed.
                 self._probation[candidate] = window.pop(candidate)
@@ -117,7 +117,7 @@ class WTinyLFUPolicy(CachePolicy):
             elif main_victim is not None:
                 victims.append((main_victim, segment.pop(main_victim), segment))
             else:
-                candidate = candidate or _first_evictable(window, protected)
+                candidate = candidate or first_evictable(window, protected)
                 if candidate is None:
                     for key, status, seg in reversed(victims):
                         seg[key] = status
@@ -127,14 +127,7 @@ class WTinyLFUPolicy(CachePolicy):
         return [key for key, _, _ in victims]
 
     def _main_victim(self, protected: Collection[OffloadKey]) -> tuple[OffloadKey | None, _Segment]:
-        key = _first_evictable(self._probation, protected)
+        key = first_evictable(self._probation, protected)
         if key is not None:
             return key, self._probation
-        return _first_evictable(self._protected, protected), self._protected
-
-
-def _first_evictable(segment: _Segment, protected: Collection[OffloadKey]) -> OffloadKey | None:
-    for key, status in segment.items():
-        if status.ref == 0 and key not in protected:
-            return key
-    return None
+        return first_evictable(self._protected, protected), self._protected

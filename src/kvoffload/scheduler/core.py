@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvoffload.counters import Counters
 from kvoffload.events.types import KVEvent
 from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
 from kvoffload.manager import LookupResult, OffloadingManager
@@ -45,7 +46,7 @@ from kvoffload.validation import positive_int
 
 
 @dataclass
-class SchedulerStats:
+class SchedulerStats(Counters):
     """Counters since creation: tokens handed to the engine from the tier, blocks moved."""
 
     tokens_loaded: int = 0
