@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test lint format demo bench clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,15 @@ $(STAMP): pyproject.toml
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# ruff checks and formats with one configuration (pyproject.toml, line length 110).
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: venv
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 demo: venv
 	$(PY) -m kvoffload.cli demo

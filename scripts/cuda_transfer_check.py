@@ -52,7 +52,7 @@ def build(kind: str, f: int, gen: torch.Generator) -> tuple[KVLayout, HostBlockP
             for g, (_, page) in enumerate(specs)
         }
         layout = KVLayout.from_layer_tensors(caches, [[n] for n in caches], block_dim=1)
-    pool = HostBlockPool(layout, NUM_HOST, blocks_per_host_block=f)
+    pool = HostBlockPool(layout, NUM_HOST, blocks_per_offload_block=f)
     for t in pool.tensors:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
     return layout, pool
@@ -60,7 +60,7 @@ def build(kind: str, f: int, gen: torch.Generator) -> tuple[KVLayout, HostBlockP
 
 def reference(layout, pool, dev_before, host_before, store, ids, sizes, indices, host_ids):
     dev, host = [t.clone() for t in dev_before], [t.clone() for t in host_before]
-    f, d_off, h_off = pool.blocks_per_host_block, 0, 0
+    f, d_off, h_off = pool.blocks_per_offload_block, 0, 0
     for g, n in enumerate(sizes):
         skip = indices[g] % f
         for i in range(n):
@@ -132,7 +132,7 @@ def bandwidth() -> None:
         kv = {f"l{i}": torch.empty((num_blocks, page), dtype=torch.uint8, device="cuda") for i in range(layers)}
         layout = KVLayout.from_layer_tensors(kv)
         for f in (1, 4):
-            pool = HostBlockPool(layout, num_blocks // f, blocks_per_host_block=f)
+            pool = HostBlockPool(layout, num_blocks // f, blocks_per_offload_block=f)
             with TransferEngine(layout, pool) as engine:
                 for pattern in ("scattered", "consecutive"):
                     for store in (True, False):

@@ -47,20 +47,33 @@ def test_parent_hash_continues_a_chain():
     assert tail == whole[1:]
 
 
-def test_matches_vllm_hash_block_tokens():
+@pytest.mark.parametrize("pythonhashseed", [None, "1234"])
+def test_matches_vllm_hash_block_tokens(monkeypatch, pythonhashseed):
+    """Our chain equals vLLM's for the seed vLLM resolves: its fixed default when
+    PYTHONHASHSEED is unset (which must be ours), and PYTHONHASHSEED when it is set."""
     kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
     from vllm.utils.hashing import sha256_cbor
 
-    kv_cache_utils.init_none_hash(sha256_cbor)
-    if kv_cache_utils.get_none_hash_seed() != "vllm-none-hash":
-        pytest.skip("PYTHONHASHSEED is set, vLLM uses it as the seed")
+    if pythonhashseed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", pythonhashseed)
     tokens = list(range(100, 164))
-    parent = None
     expected = []
-    for start in range(0, 64, 16):
-        parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent, tokens[start : start + 16], None)
-        expected.append(bytes(parent))
-    assert hash_request(tokens, 16) == expected
+    try:
+        kv_cache_utils.init_none_hash(sha256_cbor)
+        seed = kv_cache_utils.get_none_hash_seed()
+        parent = None
+        for start in range(0, 64, 16):
+            parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent, tokens[start : start + 16], None)
+            expected.append(bytes(parent))
+    finally:  # leave vLLM's process-wide seed as this process's environment gives it
+        monkeypatch.undo()
+        kv_cache_utils.init_none_hash(sha256_cbor)
+    assert seed == (pythonhashseed or "vllm-none-hash")
+    assert BlockHasher(seed).hash_request(tokens, 16) == expected
+    if pythonhashseed is None:
+        assert hash_request(tokens, 16) == expected  # the default hasher is vLLM's default
 
 
 def test_offload_key_round_trip():

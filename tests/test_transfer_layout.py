@@ -71,13 +71,13 @@ def test_layout_errors_name_the_problem():
 
 def test_host_pool_shapes():
     layout = KVLayout.from_layer_tensors({"a": torch.zeros(4, 8), "b": torch.zeros(4, 2)})
-    pool = HostBlockPool(layout, 5, blocks_per_host_block=3)
+    pool = HostBlockPool(layout, 5, blocks_per_offload_block=3)
     assert [tuple(t.shape) for t in pool.tensors] == [(5, 96), (5, 24)]
     assert tuple(pool.sub_blocks(1).shape) == (15, 8)
     assert pool.nbytes == 5 * 3 * 40
     assert pool.pinned == torch.cuda.is_available()
-    with pytest.raises(ValueError, match="blocks_per_host_block must be a positive int, got 0"):
-        HostBlockPool(layout, 5, blocks_per_host_block=0)
+    with pytest.raises(ValueError, match="blocks_per_offload_block must be a positive int, got 0"):
+        HostBlockPool(layout, 5, blocks_per_offload_block=0)
     with pytest.raises(ValueError, match="num_host_blocks must be a non-negative int, got -1"):
         HostBlockPool(layout, -1)
 

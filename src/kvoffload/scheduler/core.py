@@ -101,7 +101,7 @@ class OffloadingScheduler:
         self.manager = manager
         self.null_block_id = null_block_id
         self.groups = list(groups)
-        self.factor = blocks_per_offload_block
+        self.blocks_per_offload_block = blocks_per_offload_block
         self.hash_block_size = hash_block_size
         self._tokens = [group.block_size * blocks_per_offload_block for group in groups]
         self._hasher = hasher or BlockHasher()
@@ -169,9 +169,9 @@ class OffloadingScheduler:
         for g, tokens in enumerate(self._tokens):
             block_size = self.groups[g].block_size
             last = -(-end_tokens // tokens)
-            first_device = self._first_present(state.block_ids[g], num_computed_tokens // block_size, last * self.factor)
-            keys += self._keys(hashes, g, first_device // self.factor, last)
-            ids = state.block_ids[g][first_device : last * self.factor]
+            first_device = self._first_present(state.block_ids[g], num_computed_tokens // block_size, last * self.blocks_per_offload_block)
+            keys += self._keys(hashes, g, first_device // self.blocks_per_offload_block, last)
+            ids = state.block_ids[g][first_device : last * self.blocks_per_offload_block]
             device_ids += ids
             sizes.append(len(ids))
             indices.append(first_device)
@@ -214,14 +214,14 @@ class OffloadingScheduler:
         candidates: list[tuple[int, int, OffloadKey]] = []  # (group, offloaded block, key)
         for g, tokens in enumerate(self._tokens):
             start = state.stored_blocks[g]
-            end = min(num_computed_tokens // tokens, self._num_full(hashes, g), len(state.block_ids[g]) // self.factor)
+            end = min(num_computed_tokens // tokens, self._num_full(hashes, g), len(state.block_ids[g]) // self.blocks_per_offload_block)
             if end <= start:
                 continue
             device = state.block_ids[g]
             candidates += [
                 (g, j, key)
                 for j, key in zip(range(start, end), self._keys(hashes, g, start, end))
-                if self.null_block_id not in device[j * self.factor : (j + 1) * self.factor]
+                if self.null_block_id not in device[j * self.blocks_per_offload_block : (j + 1) * self.blocks_per_offload_block]
             ]
             state.stored_blocks[g] = end
         if not candidates:
@@ -237,9 +237,9 @@ class OffloadingScheduler:
             if key not in chosen:
                 continue
             if sizes[g] == 0:
-                indices[g] = j * self.factor
-            device_ids += state.block_ids[g][j * self.factor : (j + 1) * self.factor]
-            sizes[g] += self.factor
+                indices[g] = j * self.blocks_per_offload_block
+            device_ids += state.block_ids[g][j * self.blocks_per_offload_block : (j + 1) * self.blocks_per_offload_block]
+            sizes[g] += self.blocks_per_offload_block
             tokens = self._tokens[g]
             parent = self._hash_at(hashes, g, j - 1) if j > 0 else None
             self._events.remember(key, parent, tokens_ids, j * tokens, (j + 1) * tokens)

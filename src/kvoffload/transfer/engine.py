@@ -165,7 +165,7 @@ class TransferEngine(OffloadingWorker):
             device_spec.group_sizes,
             device_spec.block_indices,
             host_ids,
-            self.host_pool.blocks_per_host_block,
+            self.host_pool.blocks_per_offload_block,
         )
         pieces: list[Piece] = []
         nbytes = 0

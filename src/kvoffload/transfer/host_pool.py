@@ -1,6 +1,6 @@
 """The host block pool: where offloaded KV pages live in host memory.
 
-``HostBlockPool(layout, num_host_blocks, blocks_per_host_block=F)`` allocates one host
+``HostBlockPool(layout, num_host_blocks, blocks_per_offload_block=F)`` allocates one host
 tensor per layout tensor, shaped ``(num_host_blocks, page_bytes * F)`` uint8, pinned
 (page-locked) when CUDA is available so device copies can run asynchronously at full
 speed. An offloaded (host) block spans ``F`` consecutive device blocks: host block ``b``
@@ -30,20 +30,20 @@ class HostBlockPool:
         self,
         layout: KVLayout,
         num_host_blocks: int,
-        blocks_per_host_block: int = 1,
+        blocks_per_offload_block: int = 1,
         pin_memory: bool | None = None,
     ) -> None:
         non_negative_int("num_host_blocks", num_host_blocks)
-        positive_int("blocks_per_host_block", blocks_per_host_block)
+        positive_int("blocks_per_offload_block", blocks_per_offload_block)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.layout = layout
         self.num_blocks = num_host_blocks
-        self.blocks_per_host_block = blocks_per_host_block
+        self.blocks_per_offload_block = blocks_per_offload_block
         self.pinned = bool(pin_memory)
         self.tensors: tuple[torch.Tensor, ...] = tuple(
             torch.empty(
-                (num_host_blocks, layout.page_bytes(i) * blocks_per_host_block),
+                (num_host_blocks, layout.page_bytes(i) * blocks_per_offload_block),
                 dtype=torch.uint8,
                 pin_memory=self.pinned,
             )
@@ -61,6 +61,6 @@ class HostBlockPool:
 
     def __repr__(self) -> str:
         return (
-            f"HostBlockPool({self.num_blocks} blocks x {self.blocks_per_host_block} device "
+            f"HostBlockPool({self.num_blocks} blocks x {self.blocks_per_offload_block} device "
             f"blocks, {self.nbytes / 2**20:.1f} MiB, pinned={self.pinned})"
         )

@@ -1,6 +1,6 @@
 """Sub-block mapping: which host sub-block each device block of a job goes to or from.
 
-With ``F = blocks_per_host_block`` device blocks per host block, host block ``b`` holds
+With ``F = blocks_per_offload_block`` device blocks per host block, host block ``b`` holds
 device-sized sub-blocks ``b*F .. b*F+F-1`` (rows of ``HostBlockPool.sub_blocks``). For
 KV-cache group ``g`` of a job, with ``n = group_sizes[g]`` device blocks whose first has
 logical index ``s = block_indices[g]`` in its request:
@@ -36,10 +36,10 @@ class GroupMapping:
 
 
 def host_blocks_per_group(
-    group_sizes: np.ndarray, block_indices: np.ndarray, blocks_per_host_block: int
+    group_sizes: np.ndarray, block_indices: np.ndarray, blocks_per_offload_block: int
 ) -> np.ndarray:
     """How many host blocks each group of a job spans."""
-    f = blocks_per_host_block
+    f = blocks_per_offload_block
     sizes = np.asarray(group_sizes, dtype=np.int64)
     skips = np.asarray(block_indices, dtype=np.int64) % f
     return np.where(sizes > 0, -(-(skips + sizes) // f), 0)
@@ -50,14 +50,14 @@ def map_sub_blocks(
     group_sizes: np.ndarray,
     block_indices: np.ndarray,
     host_block_ids: np.ndarray,
-    blocks_per_host_block: int,
+    blocks_per_offload_block: int,
 ) -> list[GroupMapping]:
     """Pair every device block of a job with its host sub-block, per group.
 
     Raises ``ValueError`` when the number of host block ids does not match what the
     groups span.
     """
-    f = blocks_per_host_block
+    f = blocks_per_offload_block
     sizes = np.asarray(group_sizes, dtype=np.int64)
     device = np.asarray(device_block_ids, dtype=np.int64)
     host = np.asarray(host_block_ids, dtype=np.int64)

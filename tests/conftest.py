@@ -1,0 +1,40 @@
+"""Suite-wide rules.
+
+With ``CI`` set, a test or module that would skip because a dependency does not import
+(``pytest.importorskip``: vLLM, transformers, safetensors, ...) fails instead: in CI every
+extra is installed, so such a skip means a broken install step, not an optional feature.
+Skips for other reasons (e.g. the shared trace not beside the checkout) stay skips.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+_IMPORT_SKIP = "could not import"
+
+
+def _strict() -> bool:
+    return bool(os.environ.get("CI"))
+
+
+def _fail_import_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if not (_strict() and report.skipped and isinstance(report.longrepr, tuple)):
+        return
+    reason = str(report.longrepr[2])
+    if _IMPORT_SKIP in reason:
+        report.outcome = "failed"
+        report.longrepr = f"CI is set and a required dependency does not import: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    outcome = yield
+    _fail_import_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    _fail_import_skip(outcome.get_result())
