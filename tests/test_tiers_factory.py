@@ -28,7 +28,7 @@ def test_manager_and_worker_hold_the_same_number_of_blocks():
     with build_worker(config, layout, block_bytes) as worker:
         assert isinstance(worker, WorkerRouter)
         engine = worker.worker_for(("GPU", "CPU"))
-        assert engine.host_pool.num_blocks == 5 and engine.host_pool.blocks_per_host_block == 2
+        assert engine.host_pool.num_blocks == 5 and engine.host_pool.blocks_per_offload_block == 2
         # the last slot the manager can hand out is a block the worker can write
         keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(5)]
         out = manager.prepare_store(keys)

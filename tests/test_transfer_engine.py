@@ -50,7 +50,7 @@ def make_setup(layout_kind: str, f: int, seed: int = 0, chunk_bytes: int = 1 << 
         layout = KVLayout.from_layer_tensors(caches, [[n] for n in caches], block_dim=1)
     else:
         raise AssertionError(layout_kind)
-    pool = HostBlockPool(layout, NUM_HOST, blocks_per_host_block=f)
+    pool = HostBlockPool(layout, NUM_HOST, blocks_per_offload_block=f)
     for t in pool.tensors:
         randomize(t, gen)
     return layout, pool, TransferEngine(layout, pool, chunk_bytes=chunk_bytes)

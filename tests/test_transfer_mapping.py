@@ -63,7 +63,7 @@ def test_random_jobs_match_oracle(job):
     for t in tensors:
         randomize(t, gen)
     layout = KVLayout(tensors, [[0], [0, 1], [2]])
-    pool = HostBlockPool(layout, 24, blocks_per_host_block=f)
+    pool = HostBlockPool(layout, 24, blocks_per_offload_block=f)
     for t in pool.tensors:
         randomize(t, gen)
     before = snapshot(layout, pool)

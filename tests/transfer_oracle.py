@@ -19,7 +19,7 @@ def snapshot(layout: KVLayout, pool: HostBlockPool) -> tuple[list, list]:
 def expected_after(layout, pool, before, store, device_ids, group_sizes, block_indices, host_ids):
     """Apply a job to copies of ``before`` one sub-block at a time (the oracle)."""
     dev, host = [t.clone() for t in before[0]], [t.clone() for t in before[1]]
-    f = pool.blocks_per_host_block
+    f = pool.blocks_per_offload_block
     d_off = h_off = 0
     for g, n in enumerate(group_sizes):
         skip = block_indices[g] % f
