@@ -8,10 +8,14 @@ import importlib
 import sys
 
 SUBCOMMANDS = ("demo", "events", "sim")
+DESCRIPTION = (
+    "kvoffload: offload the KV cache of LLM serving engines to cheaper tiers. "
+    "Run the engine demo, replay traces for capacity planning, or inspect KV event streams."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvoffload", description=__doc__.split(".")[0])
+    parser = argparse.ArgumentParser(prog="kvoffload", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"kvoffload.cli.{name}").add_parser(sub)
