@@ -8,8 +8,8 @@ Enable with::
                         "kv_connector_extra_config": {"cpu_bytes_to_use": 4 << 30}}
 
 The connector is a thin adapter: the scheduler role delegates to ``SchedulerSide`` (an
-``OffloadingScheduler`` over a ``CPUOffloadingManager``), the worker role to ``WorkerSide``
-(a ``TransferEngine`` over a host block pool). Loads are asynchronous: a request with
+``OffloadingScheduler`` over the tiers' manager), the worker role to ``WorkerSide`` (the
+tiers' worker); both halves are built by ``kvoffload.tiers.factory`` from one config. Loads are asynchronous: a request with
 offloaded hits waits until its load finished, then runs with those tokens computed.
 """
 
