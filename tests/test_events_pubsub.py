@@ -214,6 +214,66 @@ def test_publisher_restart_is_detected_and_the_new_stream_delivered_from_zero(ip
     assert [batch.events[0] for _, batch in got] == [BlockRemoved([k], "CPU") for k in range(published)]
 
 
+def test_a_restart_seen_only_as_the_live_sequence_going_back_is_delivered_from_zero(
+    ipc: tuple[str, str], zctx: zmq.Context
+) -> None:
+    """The new publisher's whole stream arrives live, so there is no gap to replay and no
+    replayed payload to compare: the only sign of the restart is the live sequence number
+    going back (to 0, below the old stream's last). It must not be taken for old batches.
+
+    The test above may detect its restart by replay instead (its first batches are lost
+    to the slow joiner and replayed), so it passes even if backwards live numbers are
+    ignored. Here the restarted publisher is an XPUB socket speaking the publisher's wire
+    format: unlike PUB it tells when the subscription has arrived, so every batch of the
+    new stream is sent after it, deterministically live.
+    """
+    endpoint, replay = ipc
+    with EventSubscriber(endpoint, replay, replay_timeout=0.5) as sub:
+        with ZmqEventPublisher(endpoint, replay) as first:
+            got = wait_until_live(first, sub)
+            for i in range(10):
+                first.publish([stored(i)])
+            last = first.stats().published - 1
+            got += collect(sub, last + 1 - len(got))
+            assert [seq for seq, _ in got] == list(range(last + 1))
+            # One more batch received live: the live stream has reached the old stream's
+            # end, so nothing replayed ahead of it is left to compare payloads with.
+            last += 1
+            first.publish([stored(last)])
+            live_before = sub.stats().live
+            item = sub.receive(5)
+            assert item is not None and item[0] == last and sub.stats().live == live_before + 1
+        before = sub.stats()
+        xpub = zctx.socket(zmq.XPUB)
+        try:
+            xpub.bind(endpoint)  # the restarted publisher, on the same endpoint
+            # ZMQ sends a SUB socket's subscriptions to a new peer only when its owner
+            # calls into it: keep calling the (idle) subscriber until the XPUB has it.
+            deadline = time.monotonic() + 10
+            while not xpub.poll(10):
+                assert sub.receive(0) is None  # nothing was sent yet
+                if time.monotonic() > deadline:
+                    raise AssertionError("the subscriber never subscribed to the restarted publisher")
+            assert xpub.recv() == b"\x01"
+            # Sequence numbers from 0 again, past the old stream's last one too.
+            new = [KVEventBatch(float(seq), [BlockRemoved([seq], "CPU")], 0) for seq in range(last + 6)]
+            for seq, batch in enumerate(new):
+                xpub.send_multipart([b"", seq.to_bytes(8, "big"), encode(batch)])
+            got = []
+            while len(got) < len(new) and (item := sub.receive(5)) is not None:
+                got.append(item)
+            after = sub.stats()
+        finally:
+            xpub.close(linger=0)
+    assert [seq for seq, _ in got] == list(range(len(new)))
+    assert [batch for _, batch in got] == new
+    assert after.restarts == before.restarts + 1 == 1
+    assert after.live == before.live + len(new)
+    # Delivered as it came: nothing skipped as a duplicate, lost, or asked for again.
+    unchanged = ("duplicates", "lost", "replayed", "replay_requests")
+    assert [getattr(after, name) for name in unchanged] == [getattr(before, name) for name in unchanged]
+
+
 def test_malformed_replay_requests_get_the_end_marker_and_the_publisher_survives(
     ipc: tuple[str, str], zctx: zmq.Context
 ) -> None:

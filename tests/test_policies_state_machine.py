@@ -18,10 +18,40 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import make_offload_key
 from kvoffload.manager import LookupResult
-from kvoffload.policies import available_policies, resolve_policy
+from kvoffload.policies import BlockStatus, CachePolicy, available_policies, resolve_policy
 
 POOL = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(10)]
 keys_st = st.lists(st.sampled_from(POOL), min_size=1, max_size=6)
+
+
+def tracked_keys(policy: CachePolicy) -> list[bytes]:
+    """Every resident key a policy tracks, once per entry.
+
+    There is no public view of a policy's contents, so this looks at its attributes: a
+    resident entry is a dict item whose value is the key's ``BlockStatus`` (alone or first
+    in a tuple), in a dict attribute or a list of them. Ghost/history entries carry no
+    status and are not counted. Generic on purpose, so it covers every registered policy
+    (and survives renames); the invariant below compares it with the tier's keys, so a
+    policy whose layout this misses fails loudly instead of passing vacuously.
+    """
+    found: list[bytes] = []
+
+    def visit(value: object) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(item, tuple) and item:
+                    item = item[0]
+                if isinstance(item, BlockStatus):
+                    found.append(key)
+        elif isinstance(value, list):
+            for item in value:
+                visit(item)
+
+    names = set(getattr(policy, "__dict__", ()))
+    names.update(name for cls in type(policy).__mro__ for name in getattr(cls, "__slots__", ()))
+    for name in names:
+        visit(getattr(policy, name, None))
+    return found
 
 
 def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]:
@@ -138,6 +168,16 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
                 else:
                     self.announced |= set(event.keys)
             assert self.announced == self.ready
+
+        @invariant()
+        def policy_tracks_only_what_the_tier_holds(self):
+            held = self.ready | self.in_flight
+            tracked = tracked_keys(self.m.policy)
+            leaked = set(tracked) - held
+            assert not leaked, f"policy tracks keys the tier dropped: {sorted(k.hex() for k in leaked)}"
+            assert len(tracked) <= self.m.stats().used
+            # ... and each held key exactly once: an untracked key could never be evicted.
+            assert sorted(tracked) == sorted(held)
 
     ManagerMachine.__name__ = f"ManagerMachine_{policy}"
     return ManagerMachine
