@@ -10,7 +10,9 @@ from pathlib import Path
 from kvoffload.sim.trace import Trace, read_trace
 from kvoffload.sim.workloads import builtin_workload
 
-MOONCAKE_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl"
+MOONCAKE_TRACE = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl"
+)
 FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 
 
@@ -21,5 +23,7 @@ def benchmark_traces() -> list[tuple[str, Trace]]:
         traces.append(("conversation (Mooncake)", read_trace(MOONCAKE_TRACE)))
     else:
         print(f"(skipping the Mooncake trace: {MOONCAKE_TRACE} not found)", file=sys.stderr)
-    traces += [(f"{name} (generated, seed 0)", builtin_workload(name)) for name in ("agentic", "documents", "chat")]
+    traces += [
+        (f"{name} (generated, seed 0)", builtin_workload(name)) for name in ("agentic", "documents", "chat")
+    ]
     return traces

@@ -22,16 +22,25 @@ import sys
 import tempfile
 import time
 
-from kvoffload.events import BlockStored, EventEncoder, EventSubscriber, KVEventBatch, ZmqEventPublisher, decode
+from kvoffload.events import (
+    BlockStored,
+    EventEncoder,
+    EventSubscriber,
+    KVEventBatch,
+    ZmqEventPublisher,
+    decode,
+)
 
 BLOCK_SIZE = 16
 EVENTS_PER_BATCH = 4
 
 
-def make_batches(count: int, hashes: int, tokens: bool, raw: bool = False, seed: int = 0) -> list[KVEventBatch]:
+def make_batches(
+    count: int, hashes: int, tokens: bool, raw: bool = False, seed: int = 0
+) -> list[KVEventBatch]:
     rng = random.Random(seed)
     out = []
-    for i in range(count):
+    for _ in range(count):
         events = []
         for _ in range(EVENTS_PER_BATCH):
             if raw:
@@ -39,7 +48,11 @@ def make_batches(count: int, hashes: int, tokens: bool, raw: bool = False, seed:
             else:
                 block_hashes = [rng.getrandbits(64) for _ in range(hashes)]
             token_ids = [rng.randrange(150_000) for _ in range(hashes * BLOCK_SIZE)] if tokens else []
-            events.append(BlockStored(block_hashes, rng.getrandbits(64), token_ids, BLOCK_SIZE, None, "CPU", None, group_idx=0))
+            events.append(
+                BlockStored(
+                    block_hashes, rng.getrandbits(64), token_ids, BLOCK_SIZE, None, "CPU", None, group_idx=0
+                )
+            )
         out.append(KVEventBatch(time.time(), events, 0))
     return out
 
@@ -50,11 +63,15 @@ def bench_encode() -> list[tuple]:
         batches = make_batches(500, hashes, tokens)
         for fmt in ("map", "array"):
             rows.append(_time_encode(batches, fmt, hashes, tokens, "u64 ints"))
-    rows.append(_time_encode(make_batches(300, 64, False, raw=True), "map", 64, False, "32-byte digests to u64"))
+    rows.append(
+        _time_encode(make_batches(300, 64, False, raw=True), "map", 64, False, "32-byte digests to u64")
+    )
     return rows
 
 
-def _time_encode(batches: list[KVEventBatch], fmt: str, hashes: int, tokens: bool, input_hashes: str) -> tuple:
+def _time_encode(
+    batches: list[KVEventBatch], fmt: str, hashes: int, tokens: bool, input_hashes: str
+) -> tuple:
     encoder = EventEncoder(fmt)
     payload = encoder.encode(batches[0])
     assert decode(payload) is not None
@@ -73,7 +90,16 @@ def _time_encode(batches: list[KVEventBatch], fmt: str, hashes: int, tokens: boo
         decode(p)
     decode_us = (time.perf_counter() - decode_start) / len(payloads) * 1e6
     hashes_per_s = n_batches * EVENTS_PER_BATCH * hashes / elapsed
-    return (fmt, f"{EVENTS_PER_BATCH}x{hashes}", "yes" if tokens else "no", input_hashes, len(payload), per_batch_us, hashes_per_s, decode_us)
+    return (
+        fmt,
+        f"{EVENTS_PER_BATCH}x{hashes}",
+        "yes" if tokens else "no",
+        input_hashes,
+        len(payload),
+        per_batch_us,
+        hashes_per_s,
+        decode_us,
+    )
 
 
 def bench_publish(tmp: str) -> list[tuple]:
@@ -121,10 +147,20 @@ def _subscriber_child(endpoint: str, replay: str, total: int, hwm: int, work_us:
         conn.send((seqs, first, last, sub.stats().as_dict()))
 
 
-def _run_stream(tmp: str, name: str, total: int, batches: list[KVEventBatch], pub_kwargs: dict, sub_hwm: int, work_us: float):
+def _run_stream(
+    tmp: str,
+    name: str,
+    total: int,
+    batches: list[KVEventBatch],
+    pub_kwargs: dict,
+    sub_hwm: int,
+    work_us: float,
+):
     endpoint, replay = f"ipc://{tmp}/{name}", f"ipc://{tmp}/{name}-replay"
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_subscriber_child, args=(endpoint, replay, total, sub_hwm, work_us, child))
+    proc = mp.get_context("spawn").Process(
+        target=_subscriber_child, args=(endpoint, replay, total, sub_hwm, work_us, child)
+    )
     with ZmqEventPublisher(endpoint, replay, **pub_kwargs) as pub:
         proc.start()
         assert parent.poll(60) and parent.recv() == "ready"
@@ -174,7 +210,8 @@ def bench_burst(tmp: str) -> list[tuple]:
         exact = delivered + sub_stats["lost"] == total and len(set(seqs)) == delivered and in_order
         rows.append(
             (label, total, pub_stats.dropped_sends, delivered, sub_stats["live"], sub_stats["replayed"],
-             sub_stats["lost"], total - delivered, "yes" if exact else "NO", last - first if last else float("nan"))
+             sub_stats["lost"], total - delivered, "yes" if exact else "NO",
+             last - first if last else float("nan"))
         )  # fmt: skip
     return rows
 
@@ -187,10 +224,16 @@ def table(headers: list[str], rows: list[tuple], formats: list[str]) -> str:
 
 
 def main() -> int:
-    print(f"# KV events benchmark (python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f})\n")
+    print(
+        f"# KV events benchmark (python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+        f"load avg {os.getloadavg()[0]:.1f})\n"
+    )
     print("## Encode (EventEncoder, 4 BlockStored events per batch)\n")
     print(table(
-        ["format", "events x hashes", "token_ids", "input hashes", "payload B", "encode us/batch", "hashes/s", "decode us/batch"],
+        [
+            "format", "events x hashes", "token_ids", "input hashes",
+            "payload B", "encode us/batch", "hashes/s", "decode us/batch",
+        ],  # fmt: skip
         bench_encode(),
         ["{}", "{}", "{}", "{}", "{:,}", "{:.2f}", "{:,.0f}", "{:.2f}"],
     ))  # fmt: skip
@@ -203,13 +246,19 @@ def main() -> int:
         ))  # fmt: skip
         print("\n## End to end over ipc (subscriber in a child process)\n")
         print(table(
-            ["events x hashes", "token_ids", "batches", "publish batches/s", "received batches/s", "live", "replayed", "lost", "in order"],
+            [
+                "events x hashes", "token_ids", "batches", "publish batches/s", "received batches/s",
+                "live", "replayed", "lost", "in order",
+            ],  # fmt: skip
             bench_end_to_end(tmp),
             ["{}", "{}", "{:,}", "{:,.0f}", "{:,.0f}", "{:,}", "{:,}", "{:,}", "{}"],
         ))  # fmt: skip
         print("\n## Burst: 100,000 batches, slow subscriber (20 us per batch), ipc\n")
         print(table(
-            ["config", "published", "dropped sends", "delivered", "live", "replayed", "lost (counted)", "lost (actual)", "exact", "drain s"],
+            [
+                "config", "published", "dropped sends", "delivered", "live", "replayed",
+                "lost (counted)", "lost (actual)", "exact", "drain s",
+            ],  # fmt: skip
             bench_burst(tmp),
             ["{}", "{:,}", "{:,}", "{:,}", "{:,}", "{:,}", "{:,}", "{:,}", "{}", "{:.1f}"],
         ))  # fmt: skip

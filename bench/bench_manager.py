@@ -14,11 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from _workloads import FRACTIONS  # noqa: E402 (bench/ is on sys.path)
+from _workloads import MOONCAKE_TRACE as DEFAULT_TRACE
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.sim.replay import replay_keys, to_key_lists
 from kvoffload.sim.trace import read_trace
-
-from _workloads import FRACTIONS, MOONCAKE_TRACE as DEFAULT_TRACE  # noqa: E402 (bench/ is on sys.path)
 
 
 def main() -> int:
@@ -33,9 +33,12 @@ def main() -> int:
     trace = read_trace(args.trace)
     unique = trace.unique_blocks()
     key_lists = to_key_lists(trace.requests)
-    print(f"trace {args.trace.name}: {len(trace.requests)} requests, {trace.block_references()} keys, {unique} unique")
+    print(
+        f"trace {args.trace.name}: {len(trace.requests)} requests, {trace.block_references()} keys, "
+        f"{unique} unique"
+    )
     print()
-    print("| policy | capacity | blocks | hit ratio | keys/s (best of %d) |" % args.repeat)
+    print(f"| policy | capacity | blocks | hit ratio | keys/s (best of {args.repeat}) |")
     print("|---|---:|---:|---:|---:|")
     for policy in args.policies.split(","):
         for frac in FRACTIONS:

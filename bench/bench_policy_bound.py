@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import time
 
+from _workloads import FRACTIONS, benchmark_traces  # noqa: E402 (bench/ is on sys.path)
 from kvoffload.sim.ttl_bound import (
     FEATURE_SETS,
     block_references,
@@ -25,8 +26,6 @@ from kvoffload.sim.ttl_bound import (
     request_features,
     ttl_bound,
 )
-
-from _workloads import FRACTIONS, benchmark_traces  # noqa: E402 (bench/ is on sys.path)
 
 
 def main() -> int:

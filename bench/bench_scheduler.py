@@ -78,20 +78,29 @@ def main() -> int:
     if min(args.requests, args.prompt, args.decode) <= 0:
         parser.error("--requests, --prompt and --decode must be positive")
     hasher = BlockHasher()
-    manager = CPUOffloadingManager(args.requests * (args.prompt + args.decode) // BLOCK * 2, "lru", enable_events=True)
+    manager = CPUOffloadingManager(
+        args.requests * (args.prompt + args.decode) // BLOCK * 2, "lru", enable_events=True
+    )
     sched = OffloadingScheduler(manager, [KVGroup(BLOCK)], hash_block_size=BLOCK, kv_events="self_describing")
 
     def batch(seed: int) -> list[Request]:
         return [
-            Request(f"{seed}-{i}", list(range(32)) + [seed * 1_000_000 + i * 10_000 + t for t in range(args.prompt - 32)], hasher)
+            Request(
+                f"{seed}-{i}",
+                list(range(32)) + [seed * 1_000_000 + i * 10_000 + t for t in range(args.prompt - 32)],
+                hasher,
+            )
             for i in range(args.requests)
         ]
 
     cold = run(sched, batch(1), args.decode)
     events = len(sched.take_events())
     warm = run(sched, batch(1)[: args.requests // 2] + batch(2)[: args.requests // 2], args.decode)
-    print(f"{args.requests} requests x {args.prompt} prompt tokens, {args.decode} decode steps, 16-token blocks; "
-          f"{events} wire events from the first batch")
+    print(
+        f"{args.requests} requests x {args.prompt} prompt tokens, {args.decode} decode steps, "
+        "16-token blocks; "
+        f"{events} wire events from the first batch"
+    )
     print()
     print("| phase | first batch (all miss) | second batch (half hit) |")
     print("|---|---:|---:|")

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import sys
 
+from _workloads import FRACTIONS, benchmark_traces  # noqa: E402 (bench/ is on sys.path)
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.policies import available_policies
 from kvoffload.sim.belady import replay_belady
 from kvoffload.sim.replay import replay_keys, to_key_lists
-
-from _workloads import FRACTIONS, benchmark_traces  # noqa: E402 (bench/ is on sys.path)
 
 
 def main() -> int:

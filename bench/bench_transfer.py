@@ -66,7 +66,9 @@ def job_ids(pattern: str, f: int, rng: np.random.Generator) -> tuple[np.ndarray,
     return device, host
 
 
-def bench_case(page: int, f: int, pattern: str, reps: int, rng: np.random.Generator, copies: CopyPool) -> list[dict]:
+def bench_case(
+    page: int, f: int, pattern: str, reps: int, rng: np.random.Generator, copies: CopyPool
+) -> list[dict]:
     kv = {f"layer{i}": torch.full((DEVICE_BLOCKS, page), i, dtype=torch.uint8) for i in range(LAYERS)}
     layout = KVLayout.from_layer_tensors(kv)
     pool = HostBlockPool(layout, DEVICE_BLOCKS // f, blocks_per_offload_block=f)

@@ -31,7 +31,9 @@ def test_with_ci_set_an_import_skip_fails(probe, monkeypatch):
     monkeypatch.setenv("CI", "1")
     result = probe.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*CI is set and a required dependency does not import*kvoffload_no_such_module*"])
+    result.stdout.fnmatch_lines(
+        ["*CI is set and a required dependency does not import*kvoffload_no_such_module*"]
+    )
 
 
 def test_without_ci_both_skip(probe, monkeypatch):

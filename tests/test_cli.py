@@ -3,7 +3,9 @@ import pytest
 from kvoffload.cli import SUBCOMMANDS, main
 
 
-@pytest.mark.parametrize("argv", [[name, "--help"] for name in SUBCOMMANDS] + [["events", "tail", "--help"], ["--help"]])
+@pytest.mark.parametrize(
+    "argv", [[name, "--help"] for name in SUBCOMMANDS] + [["events", "tail", "--help"], ["--help"]]
+)
 def test_every_help_renders(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)

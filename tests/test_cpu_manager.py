@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 
 from kvoffload.cpu import CPUOffloadingManager
-from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.manager import LookupResult, OffloadingEvent
 from kvoffload.policies import LRUPolicy
+from kvoffload.specs import CPULoadStoreSpec
 
 
 def k(i: int) -> bytes:

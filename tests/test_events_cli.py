@@ -18,7 +18,9 @@ from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, ZmqEve
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_tail_prints_one_line_per_event_and_counters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tail_prints_one_line_per_event_and_counters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with ZmqEventPublisher(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", data_parallel_rank=0) as pub:
         pub.publish([BlockStored([2**64 - 1, 5], 7, list(range(32)), 16, None, "CPU", None, group_idx=0)])
         pub.publish([BlockRemoved([5], "CPU", group_idx=0), AllBlocksCleared()])
@@ -30,14 +32,19 @@ def test_tail_prints_one_line_per_event_and_counters(tmp_path: Path, capsys: pyt
     assert code == 0
     lines = out.splitlines()
     assert len(lines) == 3
-    assert lines[0].startswith("seq=0 ") and "BlockStored medium=CPU group=0 blocks=2 block_size=16 tokens=32" in lines[0]
+    assert (
+        lines[0].startswith("seq=0 ")
+        and "BlockStored medium=CPU group=0 blocks=2 block_size=16 tokens=32" in lines[0]
+    )
     assert "parent=0000000000000007" in lines[0] and "hashes=ffffffffffffffff,0000000000000005" in lines[0]
     assert lines[1].startswith("seq=1 ") and "BlockRemoved medium=CPU group=0 blocks=1" in lines[1]
     assert lines[2].startswith("seq=1 ") and lines[2].endswith("AllBlocksCleared")
     assert "batches=2 decoded=2" in err and "lost=0" in err and "malformed=0" in err
 
 
-def test_tail_timeout_exits_cleanly_without_a_publisher(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tail_timeout_exits_cleanly_without_a_publisher(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["events", "tail", f"ipc://{tmp_path}/none", "--timeout", "0.3"]) == 0
     assert "batches=0 decoded=0" in capsys.readouterr().err
 

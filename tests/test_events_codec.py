@@ -136,7 +136,9 @@ def test_bad_encoder_arguments_name_the_value() -> None:
         msgspec.msgpack.encode({"ts": 1.0}),
         msgspec.msgpack.encode([1.0, [{"type": "BlockExploded", "block_hashes": [1]}], 0]),
         msgspec.msgpack.encode([1.0, [["BlockRemoved", "not-a-list", "CPU"]], 0]),
-        msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "medium": "CPU"}], 0]),  # required field missing
+        msgspec.msgpack.encode(
+            [1.0, [{"type": "BlockRemoved", "medium": "CPU"}], 0]
+        ),  # required field missing
     ],
 )
 def test_decode_rejects_anything_else_with_a_clear_error(payload: bytes) -> None:
@@ -145,7 +147,9 @@ def test_decode_rejects_anything_else_with_a_clear_error(payload: bytes) -> None
 
 
 def test_decode_accepts_older_two_slot_batches() -> None:
-    assert decode(msgspec.msgpack.encode([2.0, [["AllBlocksCleared"]]])) == KVEventBatch(2.0, [AllBlocksCleared()], None)
+    assert decode(msgspec.msgpack.encode([2.0, [["AllBlocksCleared"]]])) == KVEventBatch(
+        2.0, [AllBlocksCleared()], None
+    )
 
 
 u64 = st.integers(0, U64_MAX)
@@ -159,7 +163,8 @@ stored = st.builds(
     lora_id=st.none() | st.integers(0, 1000),
     medium=optional_text,
     lora_name=optional_text,
-    extra_keys=st.none() | st.lists(st.none() | st.tuples(st.text(max_size=4), st.integers(0, 99)), max_size=3),
+    extra_keys=st.none()
+    | st.lists(st.none() | st.tuples(st.text(max_size=4), st.integers(0, 99)), max_size=3),
     group_idx=st.none() | st.integers(0, 7),
     kv_cache_spec_kind=optional_text,
     kv_cache_spec_sliding_window=st.none() | st.integers(1, 4096),

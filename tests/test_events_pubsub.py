@@ -171,7 +171,10 @@ def test_lost_counts_exactly_what_fell_out_of_the_replay_buffer(ipc: tuple[str, 
 
 def test_gaps_without_a_replay_endpoint_are_counted_lost(ipc: tuple[str, str]) -> None:
     pub_endpoint = ipc[0]
-    with ZmqEventPublisher(pub_endpoint, max_queue_size=1) as pub, EventSubscriber(pub_endpoint, start_seq=None) as sub:
+    with (
+        ZmqEventPublisher(pub_endpoint, max_queue_size=1) as pub,
+        EventSubscriber(pub_endpoint, start_seq=None) as sub,
+    ):
         first = wait_until_live(pub, sub)[0][0]
         switch = sys.getswitchinterval()
         sys.setswitchinterval(0.5)
@@ -293,7 +296,12 @@ def test_malformed_replay_requests_get_the_end_marker_and_the_publisher_survives
             # ... and it still serves well-formed requests and publishes.
             dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             empty, topic, seq, payload = dealer.recv_multipart()
-            assert (empty, topic, seq, decode(payload).events) == (b"", b"t", (0).to_bytes(8, "big"), [stored(0)])
+            assert (empty, topic, seq, decode(payload).events) == (
+                b"",
+                b"t",
+                (0).to_bytes(8, "big"),
+                [stored(0)],
+            )
             assert dealer.recv_multipart() == [b"", b"", END_SEQ, b""]
             req.send((0).to_bytes(8, "big"))  # a REQ client reads the first reply
             topic, seq, payload = req.recv_multipart()
@@ -401,9 +409,8 @@ def test_bad_subscriber_arguments_raise_naming_the_value() -> None:
 
 
 def test_binding_an_endpoint_in_use_names_it(ipc: tuple[str, str]) -> None:
-    with ZmqEventPublisher("tcp://127.0.0.1:0") as pub:
-        with pytest.raises(ValueError, match=pub.endpoint):
-            ZmqEventPublisher(pub.endpoint)
+    with ZmqEventPublisher("tcp://127.0.0.1:0") as pub, pytest.raises(ValueError, match=pub.endpoint):
+        ZmqEventPublisher(pub.endpoint)
 
 
 def test_a_silent_replay_endpoint_costs_a_bounded_wait_and_counts_the_gap_lost(tmp_path: Path) -> None:
@@ -413,7 +420,7 @@ def test_a_silent_replay_endpoint_costs_a_bounded_wait_and_counts_the_gap_lost(t
             pub.publish([stored(i)])
         wait_sent(pub, 5)
         with EventSubscriber(endpoint, f"ipc://{tmp_path}/nobody", replay_timeout=0.2) as sub:
-            (first, _), = wait_until_live(pub, sub)
+            ((first, _),) = wait_until_live(pub, sub)
             assert sub.catch_up() == 0
             stats = sub.stats()
     assert first >= 5 and stats.lost == first and stats.replay_requests == 2
@@ -434,6 +441,5 @@ def test_an_unencodable_batch_is_counted_and_seen_as_lost(ipc: tuple[str, str]) 
 
 
 def test_publish_rejects_what_is_not_an_event(ipc: tuple[str, str]) -> None:
-    with ZmqEventPublisher(ipc[0]) as pub:
-        with pytest.raises(TypeError, match="not a KV event"):
-            pub.publish(["BlockStored"])
+    with ZmqEventPublisher(ipc[0]) as pub, pytest.raises(TypeError, match="not a KV event"):
+        pub.publish(["BlockStored"])

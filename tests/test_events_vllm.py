@@ -34,7 +34,12 @@ def ours() -> KVEventBatch:
 
 def test_vllm_decodes_our_map_payloads() -> None:
     theirs = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(encode(ours(), "map"))
-    assert [type(e).__name__ for e in theirs.events] == ["BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert [type(e).__name__ for e in theirs.events] == [
+        "BlockStored",
+        "BlockStored",
+        "BlockRemoved",
+        "AllBlocksCleared",
+    ]
     assert msgspec.to_builtins(theirs) == msgspec.to_builtins(ours())
 
 
@@ -74,7 +79,9 @@ class _PositionalRemoved(vllm_events.BlockRemoved, array_like=True, omit_default
     pass
 
 
-class _PositionalCleared(vllm_events.AllBlocksCleared, array_like=True, omit_defaults=False, tag="AllBlocksCleared"):
+class _PositionalCleared(
+    vllm_events.AllBlocksCleared, array_like=True, omit_defaults=False, tag="AllBlocksCleared"
+):
     pass
 
 

@@ -39,4 +39,6 @@ def test_scheduler_side_imports_load_neither_torch_nor_zmq(code):
 
 
 def test_the_probe_sees_torch_when_the_worker_side_is_imported():
-    assert "torch" in imported_top_level_modules("import kvoffload.transfer; kvoffload.transfer.TransferEngine")
+    assert "torch" in imported_top_level_modules(
+        "import kvoffload.transfer; kvoffload.transfer.TransferEngine"
+    )

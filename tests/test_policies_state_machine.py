@@ -13,7 +13,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import make_offload_key
@@ -104,8 +110,11 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
         @rule(key=st.sampled_from(POOL))
         def lookup(self, key):
             expected = (
-                LookupResult.HIT if key in self.ready
-                else LookupResult.PENDING if key in self.in_flight else LookupResult.MISS
+                LookupResult.HIT
+                if key in self.ready
+                else LookupResult.PENDING
+                if key in self.in_flight
+                else LookupResult.MISS
             )
             assert self.m.lookup(key) is expected
 
@@ -187,6 +196,10 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
 def test_manager_invariants(policy):
     run_state_machine_as_test(
         machine_for(policy),
-        settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow]),
+        settings=settings(
+            max_examples=60,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
     )

@@ -75,7 +75,9 @@ def test_evicted_conversation_still_counts_as_returning():
     assert m.policy.turn_gap == 3  # remembered in the ghost list: a is back after 3 requests
 
 
-@pytest.mark.parametrize("bad", [{"levels": 0}, {"gap_weight": 0.0}, {"gap_weight": 2.0}, {"ghost_factor": -1}])
+@pytest.mark.parametrize(
+    "bad", [{"levels": 0}, {"gap_weight": 0.0}, {"gap_weight": 2.0}, {"ghost_factor": -1}]
+)
 def test_bad_configuration_is_rejected(bad):
     with pytest.raises(ValueError):
         TurnLRUPolicy(8, **bad)

@@ -33,7 +33,10 @@ class Req:
         self.block_hashes = HASHER.hash_request(self.all_token_ids, 4)
 
 
-def make(num_blocks=16, groups=(KVGroup(4),), factor=1):
+ONE_GROUP = (KVGroup(4),)
+
+
+def make(num_blocks=16, groups=ONE_GROUP, factor=1):
     manager = CPUOffloadingManager(num_blocks, "lru", enable_events=True)
     return manager, OffloadingScheduler(manager, groups, hash_block_size=4, blocks_per_offload_block=factor)
 
@@ -186,7 +189,9 @@ def test_a_hit_makes_the_matched_block_most_recent():
     # A, B, C stored in that order (A least recent). A new request hitting A refreshes it,
     # so the next eviction takes B, not the block that was just found useful.
     manager, sched = make(num_blocks=3)
-    blocks = {name: Req(name, [base + i for i in range(4)]) for name, base in (("A", 0), ("B", 100), ("C", 200))}
+    blocks = {
+        name: Req(name, [base + i for i in range(4)]) for name, base in (("A", 0), ("B", 100), ("C", 200))
+    }
     for req in blocks.values():
         prefill(sched, req, [[0]])
         sched.request_finished(req.request_id)
@@ -195,14 +200,18 @@ def test_a_hit_makes_the_matched_block_most_recent():
     prefill(sched, Req("e", [300 + i for i in range(4)]), [[1]])
     assert [manager.lookup(key(blocks[n], 0)) for n in "ABC"] == [HIT, MISS, HIT]
     (removed, _stored) = sched.take_events()
-    assert removed == BlockRemoved(block_hashes=[external_hash(blocks["B"].block_hashes[0])], medium="CPU", group_idx=0)
+    assert removed == BlockRemoved(
+        block_hashes=[external_hash(blocks["B"].block_hashes[0])], medium="CPU", group_idx=0
+    )
 
 
 def test_a_request_touches_its_blocks_once_however_often_it_is_matched():
     # An engine re-asks match() every step while a request waits; each re-ask must not
     # refresh its blocks again, or a waiting request would outrank newer hits.
     manager, sched = make(num_blocks=3)
-    blocks = {name: Req(name, [base + i for i in range(4)]) for name, base in (("A", 0), ("B", 100), ("C", 200))}
+    blocks = {
+        name: Req(name, [base + i for i in range(4)]) for name, base in (("A", 0), ("B", 100), ("C", 200))
+    }
     for req in blocks.values():
         prefill(sched, req, [[0]])
         sched.request_finished(req.request_id)

@@ -38,7 +38,9 @@ class Engine:
         layout = KVLayout(self.device, [[0, 1], [2]])
         self.manager = CPUOffloadingManager(32)
         self.transfer = TransferEngine(layout, HostBlockPool(layout, 32, factor))
-        self.sched = OffloadingScheduler(self.manager, GROUPS, hash_block_size=4, blocks_per_offload_block=factor)
+        self.sched = OffloadingScheduler(
+            self.manager, GROUPS, hash_block_size=4, blocks_per_offload_block=factor
+        )
         self.free = list(range(1, NUM_DEVICE_BLOCKS))
 
     def allocate(self, n):
@@ -52,8 +54,10 @@ class Engine:
             for i, block in enumerate(block_ids[g]):
                 if (i + 1) * bs <= start_tokens or i * bs >= len(req.all_token_ids):
                     continue
-                for t in ([0, 1] if g == 0 else [2]):
-                    self.device[t][block] = torch.from_numpy(content(t, req.all_token_ids[i * bs : (i + 1) * bs], i).copy())
+                for t in [0, 1] if g == 0 else [2]:
+                    self.device[t][block] = torch.from_numpy(
+                        content(t, req.all_token_ids[i * bs : (i + 1) * bs], i).copy()
+                    )
 
     def run_step(self, plan):
         for job in plan.loads + plan.stores:
@@ -95,7 +99,7 @@ def test_loaded_blocks_equal_what_was_stored(factor):
     assert loaded
     for (g, i), block in loaded.items():
         bs = GROUPS[g].block_size
-        for t in ([0, 1] if g == 0 else [2]):
+        for t in [0, 1] if g == 0 else [2]:
             expected = content(t, b.all_token_ids[i * bs : (i + 1) * bs], i)
             assert np.array_equal(engine.device[t][block].numpy(), expected), (g, i, t)
     engine.transfer.close()

@@ -11,10 +11,23 @@ from kvoffload.cli import main
 
 def test_writes_table_csv_and_png(tmp_path, capsys):
     out_csv, out_png = tmp_path / "r.csv", tmp_path / "r.png"
-    rc = main([
-        "sim", "documents", "--policies", "lru,s3fifo,belady", "--capacities", "1%,0.1,400",
-        "--device-blocks", "50", "--csv", str(out_csv), "--png", str(out_png), "--no-progress",
-    ])
+    rc = main(
+        [
+            "sim",
+            "documents",
+            "--policies",
+            "lru,s3fifo,belady",
+            "--capacities",
+            "1%,0.1,400",
+            "--device-blocks",
+            "50",
+            "--csv",
+            str(out_csv),
+            "--png",
+            str(out_png),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     rows = list(csv.DictReader(out_csv.open()))
     assert [(r["policy"], r["capacity"]) for r in rows][:3] == [("lru", "1%"), ("lru", "0.1"), ("lru", "400")]

@@ -77,7 +77,10 @@ def test_plan_rows_and_cost_model():
     trace = Trace(requests([1, 2], [1, 2], [1, 2, 3], [1, 2], lengths=[8, 8, 10, 8]), block_size=4)
     rows = plan(trace, ["lru", "belady"], ["2", "100%"], device_blocks=0)
     assert [(r.policy, r.capacity, r.blocks) for r in rows] == [
-        ("lru", "2", 2), ("lru", "100%", 3), ("belady", "2", 2), ("belady", "100%", 3)
+        ("lru", "2", 2),
+        ("lru", "100%", 3),
+        ("belady", "2", 2),
+        ("belady", "100%", 3),
     ]
     lru_full = rows[1]
     assert lru_full.host_hit_ratio == 6 / 9 and lru_full.host_tokens_saved == 24

@@ -8,7 +8,9 @@ import pytest
 
 from kvoffload.sim.trace import TraceFormatError, read_trace
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl"
+SHARED = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl"
+)
 
 
 def write(tmp_path, text: str) -> Path:

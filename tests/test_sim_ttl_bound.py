@@ -25,19 +25,44 @@ def requests(*id_lists):
 
 def test_gaps_and_weights_hand_computed():
     refs = block_references(requests([1, 2], [3], [1, 2, 4], [2, 2]))
-    got = sorted(zip(refs.request.tolist(), refs.weight.tolist(), refs.gap.tolist(), refs.next_weight.tolist()))
+    got = sorted(
+        zip(refs.request.tolist(), refs.weight.tolist(), refs.gap.tolist(), refs.next_weight.tolist())
+    )
     # block 2 twice in request 3 is one reference of weight 2; keeping request 2's copy earns both
-    assert got == [(0, 1, 2, 1), (0, 1, 2, 1), (1, 1, 0, 0), (2, 1, 0, 0), (2, 1, 0, 0), (2, 1, 1, 2), (3, 2, 0, 0)]
+    assert got == [
+        (0, 1, 2, 1),
+        (0, 1, 2, 1),
+        (1, 1, 0, 0),
+        (2, 1, 0, 0),
+        (2, 1, 0, 0),
+        (2, 1, 1, 2),
+        (3, 2, 0, 0),
+    ]
     assert (refs.requests, refs.total) == (4, 8)
     prior = sorted(zip(refs.request.tolist(), refs.prior.tolist()))
-    assert prior == [(0, 0), (0, 0), (1, 0), (2, 0), (2, 1), (2, 1), (3, 2)]  # block 2: requests 0, 2 before 3
+    assert prior == [
+        (0, 0),
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (2, 1),
+        (2, 1),
+        (3, 2),
+    ]  # block 2: requests 0, 2 before 3
 
 
 def test_features_of_a_small_conversation():
     trace = requests([1, 2, 3], [9], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6], [1, 7], [1, 2, 8])
     f = request_features(trace)
     assert f.level.tolist() == [0, 0, 1, 2, 0, 3]
-    assert f.prev_gap.tolist() == [-1, -1, 2, 1, -1, 2]  # request 5's run ends at block 2, last named by 3 (level 2)
+    assert f.prev_gap.tolist() == [
+        -1,
+        -1,
+        2,
+        1,
+        -1,
+        2,
+    ]  # request 5's run ends at block 2, last named by 3 (level 2)
     assert f.new_blocks.tolist() == [3, 1, 2, 1, 1, 1]
 
 
@@ -113,7 +138,9 @@ def test_unbounded_budget_reaches_the_infinite_cache(name):
     expected = infinite_cache_ratio(trace)
     assert 0 < expected < 1
     everything = refs.total * 3  # more than any tau up to 2 * requests can spend
-    assert ttl_bound(refs, reference_classes(refs, request_features(trace), "none"), everything) == pytest.approx(expected)
+    assert ttl_bound(
+        refs, reference_classes(refs, request_features(trace), "none"), everything
+    ) == pytest.approx(expected)
     assert oracle_bound(refs, everything) == pytest.approx(expected)
 
 

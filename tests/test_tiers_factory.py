@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transfer_oracle import three_group_layer_caches
 
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import make_offload_key
@@ -14,6 +13,7 @@ from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
 from kvoffload.tiers.factory import TierConfig, build_manager, build_worker
 from kvoffload.transfer import KVLayout
 from kvoffload.worker import WorkerRouter
+from transfer_oracle import three_group_layer_caches
 
 
 def test_manager_and_worker_hold_the_same_number_of_blocks():
@@ -21,7 +21,9 @@ def test_manager_and_worker_hold_the_same_number_of_blocks():
     caches, groups = three_group_layer_caches(8, gen)
     layout = KVLayout.from_layer_tensors(caches, groups)
     block_bytes = sum(layout.page_bytes(t) for t in range(len(layout.tensors))) * 2
-    config = TierConfig(cpu_bytes_to_use=block_bytes * 5 + block_bytes // 2, blocks_per_offload_block=2, eviction_policy="arc")
+    config = TierConfig(
+        cpu_bytes_to_use=block_bytes * 5 + block_bytes // 2, blocks_per_offload_block=2, eviction_policy="arc"
+    )
     manager = build_manager(config, block_bytes)
     assert isinstance(manager, CPUOffloadingManager) and isinstance(manager.policy, ARCPolicy)
     assert manager.stats().capacity == 5
@@ -44,7 +46,10 @@ def test_manager_and_worker_hold_the_same_number_of_blocks():
     [
         (dict(cpu_bytes_to_use=0), "cpu_bytes_to_use must be a positive int, got 0"),
         (dict(cpu_bytes_to_use=True), "cpu_bytes_to_use must be a positive int, got True"),
-        (dict(cpu_bytes_to_use=1, blocks_per_offload_block=0), "blocks_per_offload_block must be a positive int, got 0"),
+        (
+            dict(cpu_bytes_to_use=1, blocks_per_offload_block=0),
+            "blocks_per_offload_block must be a positive int, got 0",
+        ),
         (dict(cpu_bytes_to_use=1, eviction_policy="nope"), "eviction_policy: unknown eviction policy 'nope'"),
     ],
 )

@@ -134,8 +134,19 @@ def test_rejects_bad_arguments(tmp_path, bad, match):
 
 
 def test_cli(tmp_path, capsys):
-    args = [str(tmp_path / "m"), "--num-layers", "1", "--hidden-size", "64", "--num-heads", "2",
-            "--num-kv-heads", "1", "--intermediate-size", "128"]
+    args = [
+        str(tmp_path / "m"),
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "64",
+        "--num-heads",
+        "2",
+        "--num-kv-heads",
+        "1",
+        "--intermediate-size",
+        "128",
+    ]
     assert main(args) == 0
     assert capsys.readouterr().out.strip() == str((tmp_path / "m").absolute())
     assert main([str(tmp_path / "x"), "--hidden-size", "64", "--num-heads", "4"]) == 2

@@ -119,10 +119,17 @@ def test_vllm_cpu_hybrid_allocation():
     config = KVCacheConfig(
         num_blocks=nb,
         kv_cache_tensors=[
-            KVCacheTensor(size=2 * page * nb, layers=["full.0", "full.1"], layer_stride=page * nb, block_stride=page),
-            KVCacheTensor(size=2 * page * nb, layers=["swa.0", "swa.1"], layer_stride=page * nb, block_stride=page),
+            KVCacheTensor(
+                size=2 * page * nb, layers=["full.0", "full.1"], layer_stride=page * nb, block_stride=page
+            ),
+            KVCacheTensor(
+                size=2 * page * nb, layers=["swa.0", "swa.1"], layer_stride=page * nb, block_stride=page
+            ),
         ],
-        kv_cache_groups=[KVCacheGroupSpec(["full.0", "full.1"], full), KVCacheGroupSpec(["swa.0", "swa.1"], window)],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full.0", "full.1"], full),
+            KVCacheGroupSpec(["swa.0", "swa.1"], window),
+        ],
     )
     kv_caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, [32, 32])
     assert tuple(kv_caches["full.0"].shape) == (nb, 2, 32, 128)  # (blocks, heads, tokens, K|V)

@@ -7,7 +7,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transfer_oracle import assert_state, expected_after, randomize, snapshot
 
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
 from kvoffload.transfer import (
@@ -17,6 +16,7 @@ from kvoffload.transfer import (
     host_blocks_per_group,
     map_sub_blocks,
 )
+from transfer_oracle import assert_state, expected_after, randomize, snapshot
 
 
 def test_mapping_enters_first_host_block_part_way():
@@ -30,7 +30,12 @@ def test_mapping_enters_first_host_block_part_way():
 
 def test_host_blocks_per_group():
     assert host_blocks_per_group(np.array([5, 0, 1, 4, 3]), np.array([6, 3, 8, 0, 3]), 4).tolist() == [
-        2, 0, 1, 1, 2]
+        2,
+        0,
+        1,
+        1,
+        2,
+    ]
     assert host_blocks_per_group(np.array([3]), np.array([7]), 1).tolist() == [3]
 
 
@@ -74,5 +79,6 @@ def test_random_jobs_match_oracle(job):
         engine.wait([0])
         (result,) = engine.poll()
     assert result.success, result.error
-    assert_state(layout, pool, expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids))
-
+    assert_state(
+        layout, pool, expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids)
+    )

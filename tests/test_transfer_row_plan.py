@@ -76,7 +76,11 @@ def test_plans_copy_exactly_the_requested_rows(case):
 
 def _kinds(units):
     return {
-        "slice" if isinstance(s, slice) and isinstance(d, slice) else "gather" if isinstance(d, slice) else "scatter"
+        "slice"
+        if isinstance(s, slice) and isinstance(d, slice)
+        else "gather"
+        if isinstance(d, slice)
+        else "scatter"
         for unit in units
         for s, d in unit
     }

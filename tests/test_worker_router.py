@@ -7,11 +7,11 @@ import threading
 
 import pytest
 import torch
-from transfer_oracle import three_group_layer_caches
 
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec, LoadStoreSpec
 from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
 from kvoffload.worker import OffloadingWorker, TransferResult, WorkerRouter
+from transfer_oracle import three_group_layer_caches
 
 
 class ShelfSpec(LoadStoreSpec):
@@ -111,7 +111,12 @@ def test_jobs_reach_the_worker_of_their_media_and_bytes_travel_through_both(setu
     router.wait([4])
     results = router.poll()
     assert sorted(r.job_id for r in results) == [1, 2, 3, 4] and all(r.success for r in results)
-    assert {r.job_id: r.direction for r in results} == {1: "store", 2: "CPU->SHELF", 3: "SHELF->CPU", 4: "load"}
+    assert {r.job_id: r.direction for r in results} == {
+        1: "store",
+        2: "CPU->SHELF",
+        3: "SHELF->CPU",
+        4: "load",
+    }
     assert torch.equal(layout.tensors[0][1], original)
 
 

@@ -54,8 +54,12 @@ def three_group_layer_caches(num_blocks: int, gen: torch.Generator):
     Returns (kv_caches dict, groups as layer-name lists)."""
     caches = {}
     groups = []
-    shapes = [(4, (2, 4, 16), torch.float16), (2, (2, 8, 16), torch.float16),
-              (3, (3, 3, 4), torch.uint8), (1, (16,), torch.float32)]
+    shapes = [
+        (4, (2, 4, 16), torch.float16),
+        (2, (2, 8, 16), torch.float16),
+        (3, (3, 3, 4), torch.uint8),
+        (1, (16,), torch.float32),
+    ]
     for g, (layers, shape, dtype) in enumerate(shapes):
         names = []
         for layer in range(layers):

@@ -13,7 +13,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, exports: Mapping[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """Module ``__getattr__`` and ``__dir__`` resolving each name of ``exports`` from its module."""
 
     def __getattr__(name: str) -> Any:

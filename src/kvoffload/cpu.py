@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import (
     LookupResult,

@@ -82,9 +82,7 @@ class DeviceLoadStoreSpec(LoadStoreSpec):
             raise ValueError(f"block_indices must be non-negative, got {bad}")
         total = int(self.group_sizes.sum())
         if total != len(self.block_ids):
-            raise ValueError(
-                f"group_sizes sum to {total} but {len(self.block_ids)} block_ids were given"
-            )
+            raise ValueError(f"group_sizes sum to {total} but {len(self.block_ids)} block_ids were given")
 
     @property
     def num_groups(self) -> int:

@@ -17,7 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("events", help="inspect KV event streams")
     actions = p.add_subparsers(dest="events_command", required=True)
     tail = actions.add_parser("tail", help="print the events a publisher sends, one line each")
-    tail.add_argument("endpoint", help="publisher endpoint, e.g. tcp://127.0.0.1:5557, ipc:///tmp/kv or a port")
+    tail.add_argument(
+        "endpoint", help="publisher endpoint, e.g. tcp://127.0.0.1:5557, ipc:///tmp/kv or a port"
+    )
     tail.add_argument("--replay", metavar="ENDPOINT", help="replay endpoint used to fill gaps")
     tail.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     tail.add_argument("--from-start", action="store_true", help="backfill from sequence 0 via replay on join")
@@ -31,14 +33,15 @@ def format_event(seq: int, ts: float, rank: int | None, event: KVEvent) -> str:
     head = f"seq={seq} ts={ts:.6f} dp={rank}"
     if isinstance(event, BlockStored):
         return (
-            f"{head} BlockStored medium={event.medium} group={event.group_idx} blocks={len(event.block_hashes)} "
-            f"block_size={event.block_size} tokens={len(event.token_ids)} parent={_hash(event.parent_block_hash)} "
+            f"{head} BlockStored medium={event.medium} group={event.group_idx} "
+            f"blocks={len(event.block_hashes)} block_size={event.block_size} tokens={len(event.token_ids)} "
+            f"parent={_hash(event.parent_block_hash)} "
             f"hashes={_hashes(event.block_hashes)}"
         )
     if isinstance(event, BlockRemoved):
         return (
-            f"{head} BlockRemoved medium={event.medium} group={event.group_idx} blocks={len(event.block_hashes)} "
-            f"hashes={_hashes(event.block_hashes)}"
+            f"{head} BlockRemoved medium={event.medium} group={event.group_idx} "
+            f"blocks={len(event.block_hashes)} hashes={_hashes(event.block_hashes)}"
         )
     if isinstance(event, AllBlocksCleared):
         return f"{head} AllBlocksCleared"

@@ -28,21 +28,49 @@ DEFAULT_CAPACITIES = "1%,5%,10%,25%"
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim", help="replay a trace through the host tier: hit ratios, savings, plots")
-    p.add_argument("source", help=f"a Mooncake-format JSONL trace, or a built-in workload: {', '.join(WORKLOADS)}")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    p.add_argument(
+        "source", help=f"a Mooncake-format JSONL trace, or a built-in workload: {', '.join(WORKLOADS)}"
+    )
+    p.add_argument(
+        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})"
+    )
     p.add_argument(
         "--capacities",
         default=DEFAULT_CAPACITIES,
         help="comma-separated host sizes: '5%%' or '0.05' of the unique blocks, '2000' blocks, "
         "or bytes like '8GiB' (default " + DEFAULT_CAPACITIES.replace("%", "%%") + ")",
     )
-    p.add_argument("--device-blocks", type=int, default=0, help="engine prefix cache in front, in blocks (default 0: none)")
-    p.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE, help="tokens per block of a trace file (default 512)")
+    p.add_argument(
+        "--device-blocks",
+        type=int,
+        default=0,
+        help="engine prefix cache in front, in blocks (default 0: none)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=MOONCAKE_BLOCK_SIZE,
+        help="tokens per block of a trace file (default 512)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of a built-in workload (default 0)")
-    p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b", help="sets --kv-bytes-per-token (default llama3-8b)")
-    p.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes per token (default: from --model, 131072)")
-    p.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens per second (default 8000)")
-    p.add_argument("--bandwidth", default="25GB", help="host-to-device bytes per second, e.g. '25GB' (default 25GB)")
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="llama3-8b",
+        help="sets --kv-bytes-per-token (default llama3-8b)",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=None,
+        help="KV bytes per token (default: from --model, 131072)",
+    )
+    p.add_argument(
+        "--prefill-tps", type=float, default=8000.0, help="prefill tokens per second (default 8000)"
+    )
+    p.add_argument(
+        "--bandwidth", default="25GB", help="host-to-device bytes per second, e.g. '25GB' (default 25GB)"
+    )
     p.add_argument("--csv", type=Path, default=Path("sim.csv"), help="CSV output (default sim.csv)")
     p.add_argument("--png", type=Path, default=Path("sim.png"), help="plot output (default sim.png)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -75,17 +103,25 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvoffload sim: {exc}") from None
     print(
         f"{trace.name}: {len(trace.requests)} requests, {trace.block_references()} block references, "
-        f"{trace.unique_blocks()} unique blocks of {trace.block_size} tokens; device tier {args.device_blocks} blocks"
+        f"{trace.unique_blocks()} unique blocks of {trace.block_size} tokens; "
+        f"device tier {args.device_blocks} blocks"
     )
     bar = tqdm(total=len(policies) * len(capacities), disable=args.no_progress, unit="replay")
     try:
-        rows = plan(trace, policies, capacities, args.device_blocks, cost,
-                    progress=lambda what: (bar.set_description(what), bar.update(0)))
+        rows = plan(
+            trace,
+            policies,
+            capacities,
+            args.device_blocks,
+            cost,
+            progress=lambda what: (bar.set_description(what), bar.update(0)),
+        )
     finally:
         bar.close()
     print(format_table(rows))
     print(
-        f"cost model: prefill {cost.prefill_tokens_per_s:,.0f} tokens/s, link {cost.bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
+        f"cost model: prefill {cost.prefill_tokens_per_s:,.0f} tokens/s, "
+        f"link {cost.bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
         f"{cost.kv_bytes_per_token:,} KV bytes/token; stores overlap compute and are not charged"
     )
     write_csv(rows, args.csv)
@@ -100,4 +136,6 @@ def _load(source: str, block_size: int, seed: int):
         return read_trace(path, block_size)
     if source in WORKLOADS:
         return builtin_workload(source, seed)
-    raise ValueError(f"no such trace file or built-in workload: {source!r} (built-in: {', '.join(WORKLOADS)})")
+    raise ValueError(
+        f"no such trace file or built-in workload: {source!r} (built-in: {', '.join(WORKLOADS)})"
+    )

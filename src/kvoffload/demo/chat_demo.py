@@ -22,9 +22,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvoffload.events import EventSubscriber
 from kvoffload.demo.offline import close_llm, kv_block_bytes, make_llm, scheduler_connector, word_text
 from kvoffload.demo.tiny_model import build_tiny_llama
+from kvoffload.events import EventSubscriber
 
 TOKEN_OFFSET = 3  # the tiny model's byte tokenizer: byte b is token b + 3
 
@@ -96,7 +96,11 @@ class _EventCounter:
 
 
 def run_chat(
-    cfg: ChatDemoConfig, model: str, offload: bool, events_endpoint: str | None = None, engine_kv_blocks: int | None = None
+    cfg: ChatDemoConfig,
+    model: str,
+    offload: bool,
+    events_endpoint: str | None = None,
+    engine_kv_blocks: int | None = None,
 ) -> RunResult:
     """Serve the workload on one engine (``engine_kv_blocks`` overrides the cache size)."""
     from vllm import SamplingParams
@@ -124,7 +128,15 @@ def run_chat(
                 loaded = (connector.offload_stats().tokens_loaded if connector else 0) - before
                 answer = list(out.outputs[0].token_ids)
                 turns.append(
-                    TurnResult(c, t, len(histories[c]), out.num_cached_tokens - loaded, loaded, out.metrics.first_token_latency, answer)
+                    TurnResult(
+                        c,
+                        t,
+                        len(histories[c]),
+                        out.num_cached_tokens - loaded,
+                        loaded,
+                        out.metrics.first_token_latency,
+                        answer,
+                    )
                 )
                 histories[c] += answer
     finally:
@@ -135,8 +147,10 @@ def run_chat(
 def main(cfg: ChatDemoConfig = ChatDemoConfig()) -> int:
     model = str(build_tiny_llama(cfg.model_dir))
     print(
-        f"tiny Llama (4 layers, hidden 256, float32) at {model}; {cfg.conversations} conversations x {cfg.turns} turns, "
-        f"system prompt {cfg.system_tokens} tokens, {cfg.user_tokens} per user turn, {cfg.answer_tokens} per answer; "
+        f"tiny Llama (4 layers, hidden 256, float32) at {model}; "
+        f"{cfg.conversations} conversations x {cfg.turns} turns, "
+        f"system prompt {cfg.system_tokens} tokens, {cfg.user_tokens} per user turn, "
+        f"{cfg.answer_tokens} per answer; "
         f"engine KV cache {cfg.engine_kv_blocks * 32} tokens, kvoffload CPU tier {cfg.cpu_bytes >> 20} MiB"
     )
     print("running without kvoffload ...", flush=True)
@@ -145,12 +159,18 @@ def main(cfg: ChatDemoConfig = ChatDemoConfig()) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         with_kv = run_chat(cfg, model, offload=True, events_endpoint=f"ipc://{Path(tmp) / 'kv-events'}")
     print()
-    print(f"{'conv':>4} {'turn':>4} {'prompt':>7} | {'engine':>7} {'ttft ms':>8} | {'engine':>7} {'kvoffload':>9} {'ttft ms':>8} | same")
-    print(f"{'':>4} {'':>4} {'tokens':>7} | {'cached':>7} {'(base)':>8} | {'cached':>7} {'tokens':>9} {'':>8} |")
+    print(
+        f"{'conv':>4} {'turn':>4} {'prompt':>7} | {'engine':>7} {'ttft ms':>8} | "
+        f"{'engine':>7} {'kvoffload':>9} {'ttft ms':>8} | same"
+    )
+    print(
+        f"{'':>4} {'':>4} {'tokens':>7} | {'cached':>7} {'(base)':>8} | {'cached':>7} {'tokens':>9} {'':>8} |"
+    )
     for b, k in zip(base.turns, with_kv.turns):
         same = "yes" if b.output == k.output else "NO"
         print(
-            f"{b.conversation:>4} {b.turn:>4} {b.prompt_tokens:>7} | {b.cached_tokens:>7} {b.ttft_s * 1e3:>8.1f} | "
+            f"{b.conversation:>4} {b.turn:>4} {b.prompt_tokens:>7} | "
+            f"{b.cached_tokens:>7} {b.ttft_s * 1e3:>8.1f} | "
             f"{k.cached_tokens:>7} {k.offloaded_tokens:>9} {k.ttft_s * 1e3:>8.1f} | {same}"
         )
     total_base = sum(t.ttft_s for t in base.turns)
@@ -171,8 +191,14 @@ def main(cfg: ChatDemoConfig = ChatDemoConfig()) -> int:
         f"{prompt - cached - offloaded} recomputed; TTFT total {total_kv:.2f} s, "
         f"median {statistics.median(t.ttft_s for t in with_kv.turns) * 1e3:.0f} ms"
     )
-    print(f"speed-up in time to first token: {total_base / total_kv:.2f}x; outputs identical: {mismatches == 0} ({mismatches} differ)")
-    print("KV events seen:", ", ".join(f"{name}[{medium}]={n}" for (name, medium), n in sorted(with_kv.events.items(), key=str)))
+    print(
+        f"speed-up in time to first token: {total_base / total_kv:.2f}x; "
+        f"outputs identical: {mismatches == 0} ({mismatches} differ)"
+    )
+    print(
+        "KV events seen:",
+        ", ".join(f"{name}[{medium}]={n}" for (name, medium), n in sorted(with_kv.events.items(), key=str)),
+    )
     return 0 if mismatches == 0 else 1
 
 

@@ -84,9 +84,7 @@ def tiny_llama_spec(
     ):
         positive_int(name, value)
     if hidden_size % num_heads:
-        raise ValueError(
-            f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}"
-        )
+        raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
     head_size = hidden_size // num_heads
     if head_size not in _SUPPORTED_HEAD_SIZES:
         # vLLM's CPU attention backend only has kernels for these head sizes.
@@ -95,13 +93,10 @@ def tiny_llama_spec(
             f"attention supports ({', '.join(map(str, _SUPPORTED_HEAD_SIZES))})"
         )
     if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
-        )
+        raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
     if not isinstance(vocab_size, int) or vocab_size < _MIN_VOCAB:
         raise ValueError(
-            f"vocab_size must be an integer >= {_MIN_VOCAB} (3 specials + 256 bytes), "
-            f"got {vocab_size!r}"
+            f"vocab_size must be an integer >= {_MIN_VOCAB} (3 specials + 256 bytes), got {vocab_size!r}"
         )
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
@@ -245,7 +240,9 @@ def _model_config(spec: dict[str, Any]) -> tuple[type, Any]:
         head_dim=head_dim,
         query_pre_attn_scalar=head_dim,
         sliding_window=spec["sliding_window"],
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec["num_layers"])],
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec["num_layers"])
+        ],
         # Gemma scales embeddings by sqrt(hidden): a wider init keeps greedy outputs varied.
         initializer_range=spec["initializer_range"] * 3,
     )
@@ -273,16 +270,14 @@ def _build_tokenizer(vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
-    for b, ch in sorted(_byte_to_unicode().items()):
+    for _, ch in sorted(_byte_to_unicode().items()):
         vocab[ch] = len(vocab)
     for i in range(vocab_size - len(vocab)):
         vocab[f"<|extra_{i}|>"] = len(vocab)
     assert len(vocab) == vocab_size
 
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(
-        add_prefix_space=False, use_regex=False
-    )
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -313,13 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_position_embeddings",
         "seed",
     ):
-        parser.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=defaults[name]
-        )
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name])
     parser.add_argument("--dtype", choices=_DTYPES, default=defaults["dtype"])
-    parser.add_argument(
-        "--initializer-range", type=float, default=defaults["initializer_range"]
-    )
+    parser.add_argument("--initializer-range", type=float, default=defaults["initializer_range"])
     parser.add_argument(
         "--sliding-window", type=int, default=None, help="build a hybrid sliding-window/full-attention model"
     )

@@ -18,7 +18,7 @@ Contract:
 from __future__ import annotations
 
 import operator
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 from msgspec.structs import astuple, replace
@@ -58,7 +58,7 @@ class _AllBlocksClearedArray(AllBlocksCleared, array_like=True, omit_defaults=Fa
 
 class _ArrayEventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[Union[_BlockStoredArray, _BlockRemovedArray, _AllBlocksClearedArray]]
+    events: list[_BlockStoredArray | _BlockRemovedArray | _AllBlocksClearedArray]
     data_parallel_rank: int | None = None
 
 

@@ -28,7 +28,9 @@ def normalize(endpoint: str | int) -> str:
         text = f"tcp://{LOCALHOST}:{text}"
     scheme, sep, address = text.partition("://")
     if not sep or scheme not in SCHEMES or not address:
-        raise ValueError(f"endpoint must look like tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {endpoint!r}")
+        raise ValueError(
+            f"endpoint must look like tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {endpoint!r}"
+        )
     if scheme == "tcp":
         host, colon, port = address.rpartition(":")
         if not colon or not port.isdigit() or int(port) > 65535:

@@ -67,7 +67,6 @@ class PublisherStats(Counters):
     encode_errors: int = 0  # batches that could not be encoded (never sent)
 
 
-
 class ZmqEventPublisher:
     """Publishes ``KVEventBatch`` es on a PUB socket and serves replays (see module doc)."""
 
@@ -219,7 +218,10 @@ class ZmqEventPublisher:
         self.close()
 
     def __repr__(self) -> str:
-        return f"ZmqEventPublisher(endpoint={self.endpoint!r}, replay_endpoint={self.replay_endpoint!r}, topic={self.topic!r})"
+        return (
+            f"ZmqEventPublisher(endpoint={self.endpoint!r}, "
+            f"replay_endpoint={self.replay_endpoint!r}, topic={self.topic!r})"
+        )
 
     # -- background threads ------------------------------------------------------------
 

@@ -60,7 +60,7 @@ def _connect_address(endpoint: str | int, rank: int) -> str:
     # A publisher bound on every interface is reached through the loopback one.
     for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
         if address.startswith(wildcard):
-            return f"tcp://{endpoints.LOCALHOST}:{address[len(wildcard):]}"
+            return f"tcp://{endpoints.LOCALHOST}:{address[len(wildcard) :]}"
     return address
 
 
@@ -87,7 +87,9 @@ class EventSubscriber:
             raise ValueError(f"replay_timeout must be a positive number of seconds, got {replay_timeout!r}")
         non_negative_int("hwm", hwm, "0 = unlimited")
         self.endpoint = _connect_address(endpoint, data_parallel_rank)
-        self.replay_endpoint = None if replay_endpoint is None else _connect_address(replay_endpoint, data_parallel_rank)
+        self.replay_endpoint = (
+            None if replay_endpoint is None else _connect_address(replay_endpoint, data_parallel_rank)
+        )
         self.topic = topic
         self._start_seq = start_seq
         self._replay_timeout_ms = int(replay_timeout * 1000)
@@ -143,7 +145,8 @@ class EventSubscriber:
 
     @property
     def next_seq(self) -> int | None:
-        """The sequence number expected next (``None`` before the first batch if ``start_seq`` is ``None``)."""
+        """The sequence number expected next (``None`` before the first batch if
+        ``start_seq`` is ``None``)."""
         return self._expected
 
     def stats(self) -> SubscriberStats:

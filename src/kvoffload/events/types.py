@@ -16,13 +16,13 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
 from kvoffload.keys import external_hash
 
-BlockHashValue = Union[int, bytes]
+BlockHashValue = int | bytes
 HashFormat = Literal["u64", "raw"]
 HASH_FORMATS: tuple[str, ...] = ("u64", "raw")
 
@@ -68,7 +68,7 @@ class AllBlocksCleared(KVCacheEvent):
     """Every block of the publisher is gone (e.g. after a reset)."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 EVENT_TYPES: tuple[type[KVCacheEvent], ...] = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 

@@ -93,7 +93,9 @@ def evictable_keys(
     return found
 
 
-def first_evictable(order: Mapping[OffloadKey, BlockStatus], protected: Collection[OffloadKey]) -> OffloadKey | None:
+def first_evictable(
+    order: Mapping[OffloadKey, BlockStatus], protected: Collection[OffloadKey]
+) -> OffloadKey | None:
     """The first idle key of ``order`` not in ``protected``, or ``None``."""
     for key, status in order.items():
         if status.ref == 0 and key not in protected:

@@ -59,9 +59,8 @@ class S3FIFOPolicy(CachePolicy):
             self.insert(key, status)
 
     def remove(self, key: OffloadKey) -> None:
-        if self._freq.pop(key, None) is not None:
-            if self._small.pop(key, None) is None:
-                self._main.pop(key, None)
+        if self._freq.pop(key, None) is not None and self._small.pop(key, None) is None:
+            self._main.pop(key, None)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         freq = self._freq

@@ -35,7 +35,9 @@ _UNKNOWN: tuple[bytes | None, Sequence[int], int, int] = (None, (), 0, 0)
 class EventConverter:
     """Turns tier events into wire events, using what the scheduler remembered per key."""
 
-    def __init__(self, groups: Sequence[KVGroup], blocks_per_offload_block: int, mode: str = "self_describing"):
+    def __init__(
+        self, groups: Sequence[KVGroup], blocks_per_offload_block: int, mode: str = "self_describing"
+    ):
         if mode not in EVENT_MODES:
             raise ValueError(f"kv_events must be one of {EVENT_MODES}, got {mode!r}")
         self.mode = mode
@@ -43,7 +45,9 @@ class EventConverter:
         self._factor = blocks_per_offload_block
         self._pending: dict[OffloadKey, tuple[bytes | None, Sequence[int], int, int]] = {}
 
-    def remember(self, key: OffloadKey, parent_hash: bytes | None, tokens: Sequence[int], start: int, end: int) -> None:
+    def remember(
+        self, key: OffloadKey, parent_hash: bytes | None, tokens: Sequence[int], start: int, end: int
+    ) -> None:
         """Record what a key's ``BlockStored`` must say, before its store completes: its
         tokens are ``tokens[start:end]``, a range the engine never rewrites."""
         self._pending[key] = (parent_hash, tokens, start, end)
@@ -73,7 +77,10 @@ class EventConverter:
         for key in event.keys:
             group, block_hash = _split(key)
             by_group.setdefault(group, []).append(external_hash(block_hash))
-        return [BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group) for group, hashes in by_group.items()]
+        return [
+            BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group)
+            for group, hashes in by_group.items()
+        ]
 
     def _stored(self, event: OffloadingEvent) -> list[BlockStored]:
         out: list[BlockStored] = []

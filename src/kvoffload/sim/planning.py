@@ -32,8 +32,15 @@ from kvoffload.sim.trace import Trace
 
 BELADY = "belady"
 _UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*$")
 
@@ -140,11 +147,26 @@ def plan(
             if name.lower() == BELADY:
                 rows.append(_belady_row(trace, key_lists, served, lengths, spec, blocks, unique, cost))
                 continue
-            result = replay_tiered(CPUOffloadingManager(blocks, name), key_lists, served, lengths, trace.block_size)
+            result = replay_tiered(
+                CPUOffloadingManager(blocks, name), key_lists, served, lengths, trace.block_size
+            )
             rows.append(
-                _row(name, spec, blocks, unique, result.requests, result.keys, result.device_hits,
-                     result.host_hits, result.stored, result.device_tokens, result.host_tokens,
-                     result.seconds, trace.block_size, cost)
+                _row(
+                    name,
+                    spec,
+                    blocks,
+                    unique,
+                    result.requests,
+                    result.keys,
+                    result.device_hits,
+                    result.host_hits,
+                    result.stored,
+                    result.device_tokens,
+                    result.host_tokens,
+                    result.seconds,
+                    trace.block_size,
+                    cost,
+                )
             )
     return rows
 
@@ -158,12 +180,40 @@ def _belady_row(trace, key_lists, served, lengths, spec, blocks, unique, cost) -
     host_tokens = sum(block_tokens(n, d + h, bs) for n, d, h in zip(lengths, served, hits)) - device_tokens
     seconds = time.perf_counter() - start
     keys = sum(len(k) for k in key_lists)
-    return _row(BELADY, spec, blocks, unique, len(key_lists), keys, sum(served), sum(hits), stored,
-                device_tokens, host_tokens, seconds, bs, cost)
+    return _row(
+        BELADY,
+        spec,
+        blocks,
+        unique,
+        len(key_lists),
+        keys,
+        sum(served),
+        sum(hits),
+        stored,
+        device_tokens,
+        host_tokens,
+        seconds,
+        bs,
+        cost,
+    )
 
 
-def _row(name, spec, blocks, unique, requests, keys, device_hits, host_hits, stored,
-         device_tokens, host_tokens, seconds, block_size, cost: CostModel) -> PlanRow:
+def _row(
+    name,
+    spec,
+    blocks,
+    unique,
+    requests,
+    keys,
+    device_hits,
+    host_hits,
+    stored,
+    device_tokens,
+    host_tokens,
+    seconds,
+    block_size,
+    cost: CostModel,
+) -> PlanRow:
     block_bytes = block_size * cost.kv_bytes_per_token
     loaded = host_hits * block_bytes
     saved = (device_tokens + host_tokens) / cost.prefill_tokens_per_s - loaded / cost.bandwidth_bytes_per_s

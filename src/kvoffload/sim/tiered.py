@@ -123,6 +123,14 @@ def replay_tiered(
         host_tokens += block_tokens(length, d + h, block_size) - dt
     seconds = time.perf_counter() - start
     return TieredResult(
-        len(key_lists), keys_total, device_hits, host_hits, stored, evicted,
-        device_tokens, host_tokens, prompt_tokens, seconds,
+        len(key_lists),
+        keys_total,
+        device_hits,
+        host_hits,
+        stored,
+        evicted,
+        device_tokens,
+        host_tokens,
+        prompt_tokens,
+        seconds,
     )

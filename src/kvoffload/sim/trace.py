@@ -65,7 +65,9 @@ def parse_request(line: str, lineno: int) -> TraceRequest:
     if not isinstance(hash_ids, list) or not all(
         isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
     ):
-        raise TraceFormatError(f"line {lineno}: hash_ids must be a list of non-negative ints, got {hash_ids!r:.80}")
+        raise TraceFormatError(
+            f"line {lineno}: hash_ids must be a list of non-negative ints, got {hash_ids!r:.80}"
+        )
     return TraceRequest(fields["timestamp"], fields["input_length"], fields["output_length"], tuple(hash_ids))
 
 

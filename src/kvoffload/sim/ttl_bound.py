@@ -177,7 +177,9 @@ def ttl_bound(
     budget = _budget(refs, capacity_blocks)
     classes = np.asarray(classes)
     if classes.shape != refs.request.shape:
-        raise ValueError(f"classes must hold one code per reference ({refs.request.size}), got shape {classes.shape}")
+        raise ValueError(
+            f"classes must hold one code per reference ({refs.request.size}), got shape {classes.shape}"
+        )
     taus = tau_grid(refs.requests) if taus is None else np.asarray(sorted(taus), float)
     if taus.size == 0 or taus[0] <= 0:
         raise ValueError(f"taus must be positive, got {taus!r}")

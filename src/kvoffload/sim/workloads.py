@@ -196,7 +196,9 @@ def agentic_sessions(params: AgentWorkload = AgentWorkload()) -> Trace:
             segments = [(shared, params.shared_context_tokens), (("session", session), private)]
             output = _positive(rng, params.mean_output_tokens)
             length = params.shared_context_tokens + private
-            requests.append(TraceRequest(int(t * 1000), length, output, _segment_ids(ids, segments, params.block_size)))
+            requests.append(
+                TraceRequest(int(t * 1000), length, output, _segment_ids(ids, segments, params.block_size))
+            )
             private += output + _positive(rng, params.mean_tool_output_tokens)
             t += rng.expovariate(1.0 / params.mean_step_gap_s)
     requests.sort(key=lambda r: r.timestamp)
@@ -205,7 +207,12 @@ def agentic_sessions(params: AgentWorkload = AgentWorkload()) -> Trace:
 
 def one_shot_documents(params: DocumentWorkload = DocumentWorkload()) -> Trace:
     """A one-shot document trace; the same ``params`` always give the same trace."""
-    if params.block_size <= 0 or params.requests < 0 or params.documents <= 0 or params.instruction_prompts <= 0:
+    if (
+        params.block_size <= 0
+        or params.requests < 0
+        or params.documents <= 0
+        or params.instruction_prompts <= 0
+    ):
         raise ValueError(f"invalid document workload parameters: {params!r}")
     if not 0.0 <= params.unique_fraction <= 1.0:
         raise ValueError(f"unique_fraction must be in [0, 1], got {params.unique_fraction!r}")
@@ -226,7 +233,9 @@ def one_shot_documents(params: DocumentWorkload = DocumentWorkload()) -> Trace:
         length = params.instruction_tokens + tokens + question
         t = rng.uniform(0.0, params.duration_s)
         output = _positive(rng, params.mean_output_tokens)
-        requests.append(TraceRequest(int(t * 1000), length, output, _segment_ids(ids, segments, params.block_size)))
+        requests.append(
+            TraceRequest(int(t * 1000), length, output, _segment_ids(ids, segments, params.block_size))
+        )
     requests.sort(key=lambda r: r.timestamp)
     return Trace(requests, params.block_size, "one_shot_documents")
 

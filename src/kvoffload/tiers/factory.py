@@ -51,7 +51,8 @@ class TierConfig:
         count = self.cpu_bytes_to_use // block_bytes
         if count == 0:
             raise ValueError(
-                f"cpu_bytes_to_use={self.cpu_bytes_to_use} holds no offloaded block ({block_bytes} bytes each)"
+                f"cpu_bytes_to_use={self.cpu_bytes_to_use} holds no offloaded block "
+                f"({block_bytes} bytes each)"
             )
         return count
 

@@ -25,8 +25,8 @@ Contract:
 * ``submit`` validates everything before queueing and raises ``ValueError`` naming the
   bad value (ids out of range, wrong counts, a group count that is not the layout's,
   duplicate destinations, a job id already in flight), ``TypeError`` for a medium pair
-  that is neither a store nor a load, or specs of the wrong class for their medium, and ``RuntimeError`` after ``close``. It returns ``True``
-  when the job is queued.
+  that is neither a store nor a load or for specs of the wrong class for their medium,
+  and ``RuntimeError`` after ``close``. It returns ``True`` when the job is queued.
 * Stores and loads have their own queue and worker; within a direction jobs run and
   complete in submission order, and the two directions overlap.
 * ``poll()`` returns the results finished since the last poll, in completion order.
@@ -172,7 +172,9 @@ class TransferEngine(OffloadingWorker):
         for m in mappings:
             if not len(m.device_rows):
                 continue
-            _check_range(m.device_rows, layout.group_num_blocks(m.group), f"device block id of group {m.group}")
+            _check_range(
+                m.device_rows, layout.group_num_blocks(m.group), f"device block id of group {m.group}"
+            )
             destination = m.host_rows if store else m.device_rows
             if len(np.unique(destination)) != len(destination):
                 what = "host sub-block" if store else "device block"

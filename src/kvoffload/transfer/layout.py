@@ -45,9 +45,7 @@ def block_byte_view(tensor: torch.Tensor, num_blocks: int | None = None) -> torc
     rows = tensor.shape[0]
     if num_blocks is not None and num_blocks != rows:
         if num_blocks <= 0 or rows % num_blocks:
-            raise ValueError(
-                f"tensor has {rows} rows, not a multiple of num_blocks={num_blocks}"
-            )
+            raise ValueError(f"tensor has {rows} rows, not a multiple of num_blocks={num_blocks}")
         tensor = tensor.unflatten(0, (num_blocks, rows // num_blocks))
     page = tensor[0] if tensor.shape[0] else tensor.new_empty(tensor.shape[1:])
     if not page.is_contiguous():
@@ -59,9 +57,7 @@ def block_byte_view(tensor: torch.Tensor, num_blocks: int | None = None) -> torc
     page_bytes = page.numel() * elem
     block_stride = tensor.stride(0) * elem if tensor.shape[0] > 1 else page_bytes
     if block_stride < page_bytes:
-        raise ValueError(
-            f"block stride {block_stride} bytes is smaller than the page ({page_bytes} bytes)"
-        )
+        raise ValueError(f"block stride {block_stride} bytes is smaller than the page ({page_bytes} bytes)")
     # set_ on the untyped storage reinterprets any dtype as bytes without copying.
     view = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     view.set_(

@@ -81,7 +81,8 @@ def map_sub_blocks(
     host_block = host[host_start[group_of] + position // f] if len(device) else host[:0]
     host_rows = host_block * f + position % f
     return [
-        GroupMapping(g, device[device_start[g] : device_start[g + 1]],
-                     host_rows[device_start[g] : device_start[g + 1]])
+        GroupMapping(
+            g, device[device_start[g] : device_start[g + 1]], host_rows[device_start[g] : device_start[g + 1]]
+        )
         for g in range(num_groups)
     ]

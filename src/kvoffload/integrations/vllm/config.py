@@ -45,7 +45,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
     if unknown:
         raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {list(KNOWN_KEYS)}")
     if "cpu_bytes_to_use" not in extra:
-        raise ValueError("kv_connector_extra_config['cpu_bytes_to_use'] is required (host bytes for the CPU tier)")
+        raise ValueError(
+            "kv_connector_extra_config['cpu_bytes_to_use'] is required (host bytes for the CPU tier)"
+        )
     cpu_bytes = _positive_int(extra, "cpu_bytes_to_use")
     block_size = engine_block_size
     if "block_size" in extra:
@@ -57,7 +59,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
             )
     events = extra.get("kv_events", "self_describing")
     if events not in EVENT_MODES:
-        raise ValueError(f"kv_connector_extra_config['kv_events'] must be one of {list(EVENT_MODES)}, got {events!r}")
+        raise ValueError(
+            f"kv_connector_extra_config['kv_events'] must be one of {list(EVENT_MODES)}, got {events!r}"
+        )
     try:
         tiers = TierConfig(cpu_bytes, block_size // engine_block_size, extra.get("eviction_policy", "lru"))
     except ValueError as exc:

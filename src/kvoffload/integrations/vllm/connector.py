@@ -9,8 +9,9 @@ Enable with::
 
 The connector is a thin adapter: the scheduler role delegates to ``SchedulerSide`` (an
 ``OffloadingScheduler`` over the tiers' manager), the worker role to ``WorkerSide`` (the
-tiers' worker); both halves are built by ``kvoffload.tiers.factory`` from one config. Loads are asynchronous: a request with
-offloaded hits waits until its load finished, then runs with those tokens computed.
+tiers' worker); both halves are built by ``kvoffload.tiers.factory`` from one config.
+Loads are asynchronous: a request with offloaded hits waits until its load finished, then
+runs with those tokens computed.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads finish before their request is scheduled
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None  # stores copy whole blocks after the forward pass
 
     def wait_for_save(self) -> None:
@@ -86,7 +89,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         null = gpu_block_pool.null_block.block_id
         if self._scheduler is not None and null != self._scheduler.scheduler.null_block_id:
-            raise ValueError(f"vLLM's null block is {null}, kvoffload assumed {self._scheduler.scheduler.null_block_id}")
+            raise ValueError(
+                f"vLLM's null block is {null}, kvoffload assumed {self._scheduler.scheduler.null_block_id}"
+            )
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -103,7 +108,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request), None
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request), None
 
     def take_events(self) -> Iterable[KVCacheEvent]:

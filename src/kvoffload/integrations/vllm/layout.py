@@ -24,8 +24,14 @@ def build_layout(kv_caches: Mapping[str, torch.Tensor], kv_cache_config: KVCache
 
     The block dimension is the first one (the layout vLLM uses when the connector asks for
     ``LBHNC``), or the second behind a K/V dimension of 2 (``(2, num_blocks, ...)``)."""
-    groups = [[name for name in group.layer_names if name in kv_caches] for group in kv_cache_config.kv_cache_groups]
+    groups = [
+        [name for name in group.layer_names if name in kv_caches] for group in kv_cache_config.kv_cache_groups
+    ]
     num_blocks = kv_cache_config.num_blocks
     first = next(iter(kv_caches.values()))
-    block_dim = 1 if first.dim() > 1 and first.shape[0] == 2 and first.shape[1] % num_blocks == 0 and num_blocks != 2 else 0
+    block_dim = (
+        1
+        if first.dim() > 1 and first.shape[0] == 2 and first.shape[1] % num_blocks == 0 and num_blocks != 2
+        else 0
+    )
     return KVLayout.from_layer_tensors(kv_caches, groups, block_dim=block_dim, num_blocks=num_blocks)

@@ -45,7 +45,9 @@ class WorkerSide:
         per_block = host_block_bytes(self._kv_cache_config, tiers.blocks_per_offload_block)
         self.worker = build_worker(tiers, layout, per_block)
         num_blocks = tiers.num_host_blocks(per_block)
-        logger.info("kvoffload: %d host blocks (%.1f MiB) for %s", num_blocks, num_blocks * per_block / 2**20, layout)
+        logger.info(
+            "kvoffload: %d host blocks (%.1f MiB) for %s", num_blocks, num_blocks * per_block / 2**20, layout
+        )
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         jobs = [job for ids in plan.flush.values() for job in ids]
@@ -89,7 +91,9 @@ class WorkerSide:
             self._step_loads = []
             for result in self.worker.poll():
                 if not result.success:
-                    logger.warning("kvoffload: %s job %d failed: %s", result.direction, result.job_id, result.error)
+                    logger.warning(
+                        "kvoffload: %s job %d failed: %s", result.direction, result.job_id, result.error
+                    )
                 finished = self._finish(result.job_id, result.success)
                 if finished is not None and not finished[1]:
                     recving.add(finished[0])
