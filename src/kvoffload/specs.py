@@ -5,6 +5,8 @@ The scheduler side hands out specs (block ids, nothing else); the worker side tu
 events and job routing use. Torch-free: the scheduler imports this without the worker.
 
 * ``CPULoadStoreSpec(block_ids)``: host block ids of the CPU tier (int64), in key order.
+* ``DiskLoadStoreSpec(block_ids, keys)``: slots of the local-disk tier and the key each
+  holds (the worker writes the key into the block and checks it on every read).
 * ``DeviceLoadStoreSpec(block_ids, group_sizes, block_indices)``: the device half of a
   job. ``block_ids`` are the device block ids of every KV-cache group concatenated in
   group order; ``group_sizes[g]`` says how many belong to group ``g`` (zero is allowed: a
@@ -26,6 +28,7 @@ import numpy as np
 
 MEDIUM_DEVICE = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"  # the local-disk tier; its wire events say medium STORAGE, locality LOCAL
 
 
 class LoadStoreSpec(ABC):
@@ -53,6 +56,21 @@ class CPULoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"CPULoadStoreSpec({self.block_ids.tolist()})"
+
+
+class DiskLoadStoreSpec(LoadStoreSpec):
+    """Disk-tier slot ids (int64) and the key of each, in key order."""
+
+    medium = MEDIUM_DISK
+
+    def __init__(self, block_ids: Sequence[int] | np.ndarray, keys: Sequence[bytes]) -> None:
+        self.block_ids = _int_array("block_ids", block_ids)
+        self.keys = list(keys)
+        if len(self.keys) != len(self.block_ids):
+            raise ValueError(f"{len(self.block_ids)} block_ids but {len(self.keys)} keys; give one key per block")
+
+    def __repr__(self) -> str:
+        return f"DiskLoadStoreSpec({self.block_ids.tolist()}, {len(self.keys)} keys)"
 
 
 class DeviceLoadStoreSpec(LoadStoreSpec):
