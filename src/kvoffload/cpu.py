@@ -170,6 +170,26 @@ class CPUOffloadingManager(OffloadingManager):
         if done and self.enable_events:
             self._events.append(OffloadingEvent(done, self.medium, False))
 
+    def discard(self, keys: Sequence[OffloadKey]) -> None:
+        blocks = self._blocks
+        dropped = []
+        for key in dict.fromkeys(keys):
+            status = blocks.get(key)
+            if status is None or status.ref != 0:
+                continue
+            del blocks[key]
+            self.policy.remove(key)
+            self._free.append(status.slot)
+            dropped.append(key)
+        if dropped and self.enable_events:
+            self._events.append(OffloadingEvent(dropped, self.medium, True))
+
+    def state(self, key: OffloadKey) -> int | None:
+        """The block state of ``key`` (-1 being written, 0 idle, n pinned) or ``None`` if
+        absent; unlike ``lookup`` it counts nothing."""
+        status = self._blocks.get(key)
+        return None if status is None else status.ref
+
     # -- housekeeping ----------------------------------------------------------------
 
     def take_events(self) -> list[OffloadingEvent]:

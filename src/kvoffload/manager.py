@@ -8,6 +8,12 @@ described by the ``LoadStoreSpec`` objects it hands out.
 Block state is one integer per key: ``-1`` being written (neither loadable nor
 evictable), ``0`` idle (evictable), ``n > 0`` pinned by ``n`` loads.
 
+Transfers between tiers: a manager that stacks tiers (``kvoffload.tiers.tiered``) also
+moves blocks between them in the background (write-through, promotion). It hands those
+copies out through ``take_transfers`` (each a ``TierTransfer``: a spec pair and a token);
+the scheduler gives them job ids, the worker runs them, and ``complete_transfer(token,
+success)`` reports each back. A single tier has none.
+
 Events: an ``OffloadingEvent`` says which keys became loadable (``removed=False``) or were
 dropped (``removed=True``) in one medium. It carries no block size: block size belongs to
 a KV-cache group, and the scheduler, which knows each key's group, fills it in when it
@@ -54,6 +60,15 @@ class OffloadingEvent:
     keys: list[OffloadKey]
     medium: str
     removed: bool
+
+
+@dataclass(frozen=True)
+class TierTransfer:
+    """A copy between two tiers that the manager needs done; ``token`` names it back."""
+
+    token: int
+    src_spec: LoadStoreSpec
+    dst_spec: LoadStoreSpec
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,21 @@ class OffloadingManager(ABC):
     @abstractmethod
     def stats(self) -> TierStats:
         """A snapshot of occupancy and counters."""
+
+    def discard(self, keys: Sequence[OffloadKey]) -> None:
+        """Drop the idle ones among ``keys`` (found unreadable or corrupt by a read that
+        failed and was completed): they become misses and one ``removed=True`` event lists
+        them. Keys still being written or pinned by other reads stay; absent keys are
+        ignored."""
+        raise NotImplementedError(f"{type(self).__name__} cannot discard blocks")
+
+    def take_transfers(self) -> list[TierTransfer]:
+        """Copies between tiers to start now (none for a single tier)."""
+        return []
+
+    def complete_transfer(self, token: int, success: bool) -> None:
+        """The outcome of a ``TierTransfer``; unknown tokens raise ``KeyError``."""
+        raise KeyError(f"unknown tier transfer {token}")
 
     def close(self) -> None:
         """Release resources held by the tier."""

@@ -1,0 +1,218 @@
+"""``TieredOffloadingManager``: the CPU tier with secondary tiers (disk, remote) below it.
+
+The scheduler sees one ``OffloadingManager``. The primary (CPU) tier is the only one that
+exchanges blocks with the device: loads and stores of the engine go to it unchanged. The
+secondary tiers are filled and read in the background, through ``TierTransfer``s the
+scheduler hands to the worker:
+
+* Write-through: when a store completes in the primary, each of its new blocks is
+  offered to every secondary tier whose ``admit`` accepts it. The secondary reserves room
+  (``prepare_store``; it may evict its own idle blocks or decline when it cannot) and the
+  primary block is pinned until the copy is done, so it can be neither evicted nor
+  overwritten while it is read. A failed write frees the secondary's reservation.
+* Promotion: ``lookup`` of a key the primary misses but a secondary holds answers
+  ``PENDING`` and asks for the key to be promoted. ``take_transfers`` (once per scheduler
+  step) batches the asked keys per tier: the primary reserves slots (evicting its idle
+  blocks if needed; nothing is promoted when it cannot make room), the secondary pins its
+  copies, and the copy runs. On success the block is loadable in the primary (announced by
+  the primary's own event) and the next lookup is a ``HIT``; on failure the primary frees
+  the slots and the secondary drops the block (``discard``: a failed read is a corrupt or
+  unreadable block, never retried as is).
+
+Everything here is bookkeeping on the scheduler thread: no I/O, no waiting. Events of
+every tier are passed on with their own medium. ``reset`` drops every tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.keys import OffloadKey
+from kvoffload.manager import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    TierStats,
+    TierTransfer,
+)
+from kvoffload.specs import LoadStoreSpec
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_PENDING = LookupResult.PENDING
+
+Admit = Callable[[OffloadKey], bool]
+
+
+@dataclass
+class _Transfer:
+    promotion: bool  # secondary -> primary; else write-through primary -> secondary
+    tier: int  # index into the secondaries
+    keys: list[OffloadKey]
+
+
+class TieredOffloadingManager(OffloadingManager):
+    """``primary`` (the CPU tier) over ``secondaries``, fastest first."""
+
+    def __init__(
+        self,
+        primary: CPUOffloadingManager,
+        secondaries: Sequence[OffloadingManager],
+        admit: Sequence[Admit | None] | None = None,
+    ) -> None:
+        """``admit[i]`` (default: every block) decides which blocks go to secondary ``i``."""
+        if not secondaries:
+            raise ValueError("a tiered manager needs at least one secondary tier")
+        media = [primary.medium, *(tier.medium for tier in secondaries)]
+        if len(set(media)) != len(media):
+            raise ValueError(f"every tier needs its own medium, got {media}")
+        admit = list(admit) if admit is not None else [None] * len(secondaries)
+        if len(admit) != len(secondaries):
+            raise ValueError(f"{len(admit)} admission rules for {len(secondaries)} secondary tiers")
+        self.primary = primary
+        self.secondaries = list(secondaries)
+        self.medium = primary.medium
+        self._admit = admit
+        self._wanted: dict[OffloadKey, int] = {}  # key -> tier to promote it from
+        self._promoting: set[OffloadKey] = set()
+        self._writes: list[tuple[int, PrepareStoreOutput, LoadStoreSpec]] = []
+        self._transfers: dict[int, _Transfer] = {}
+        self._next_token = 0
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        result = self.primary.lookup(key)
+        if result is not _MISS:
+            return result
+        if key in self._promoting or key in self._wanted:
+            return _PENDING
+        for index, tier in enumerate(self.secondaries):
+            if tier.lookup(key) is _HIT:
+                self._wanted[key] = index
+                return _PENDING
+        return _MISS
+
+    # -- the engine's loads and stores: the primary's --------------------------------------
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
+        return self.primary.prepare_load(keys)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        self.primary.touch(keys)
+        for tier in self.secondaries:
+            tier.touch(keys)
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        self.primary.complete_load(keys)
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        return self.primary.prepare_store(keys)
+
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        primary = self.primary
+        in_flight = [key for key in keys if primary.state(key) == -1] if success else []
+        primary.complete_store(keys, success)
+        if in_flight:
+            self._write_through(in_flight)
+
+    def _write_through(self, keys: list[OffloadKey]) -> None:
+        for index, tier in enumerate(self.secondaries):
+            admit = self._admit[index]
+            chosen = keys if admit is None else [key for key in keys if admit(key)]
+            if not chosen:
+                continue
+            out = tier.prepare_store(chosen)
+            if out is None or not out.keys_to_store:
+                continue  # the tier declines (full of pinned blocks, or holds them all)
+            self._writes.append((index, out, self.primary.prepare_load(out.keys_to_store)))
+
+    # -- transfers between tiers ---------------------------------------------------------
+
+    def take_transfers(self) -> list[TierTransfer]:
+        transfers = [self._new_transfer(False, index, out.keys_to_store, cpu, out.store_spec)
+                     for index, out, cpu in self._writes]  # fmt: skip
+        self._writes = []
+        if self._wanted:
+            by_tier: dict[int, list[OffloadKey]] = {}
+            for key, index in self._wanted.items():
+                by_tier.setdefault(index, []).append(key)
+            self._wanted = {}
+            for index, keys in by_tier.items():
+                transfer = self._promote(index, keys)
+                if transfer is not None:
+                    transfers.append(transfer)
+        return transfers
+
+    def _promote(self, index: int, keys: list[OffloadKey]) -> TierTransfer | None:
+        tier = self.secondaries[index]
+        # A key may have gone from the secondary (evicted) or reached the primary since.
+        keys = [key for key in keys if tier.lookup(key) is _HIT and self.primary.state(key) is None]
+        if not keys:
+            return None
+        out = self.primary.prepare_store(keys)
+        if out is None or not out.keys_to_store:
+            return None  # no room in the primary now; a later lookup asks again
+        source = tier.prepare_load(out.keys_to_store)
+        self._promoting.update(out.keys_to_store)
+        return self._new_transfer(True, index, out.keys_to_store, source, out.store_spec)
+
+    def _new_transfer(
+        self, promotion: bool, tier: int, keys: list[OffloadKey], src: LoadStoreSpec, dst: LoadStoreSpec
+    ) -> TierTransfer:
+        token = self._next_token
+        self._next_token += 1
+        self._transfers[token] = _Transfer(promotion, tier, list(keys))
+        return TierTransfer(token, src, dst)
+
+    def complete_transfer(self, token: int, success: bool) -> None:
+        transfer = self._transfers.pop(token, None)
+        if transfer is None:
+            raise KeyError(f"unknown tier transfer {token}")
+        tier = self.secondaries[transfer.tier]
+        if transfer.promotion:
+            tier.complete_load(transfer.keys)
+            self.primary.complete_store(transfer.keys, success)
+            self._promoting.difference_update(transfer.keys)
+            if not success:
+                tier.discard(transfer.keys)
+        else:
+            self.primary.complete_load(transfer.keys)
+            tier.complete_store(transfer.keys, success)
+
+    @property
+    def transfers_in_flight(self) -> int:
+        return len(self._transfers)
+
+    # -- housekeeping --------------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events = self.primary.take_events()
+        for tier in self.secondaries:
+            events += tier.take_events()
+        return events
+
+    def reset(self) -> None:
+        """Drop every block of every tier; transfers in flight are forgotten (their
+        outcomes must no longer be reported)."""
+        self.primary.reset()
+        for tier in self.secondaries:
+            tier.reset()
+        self._wanted.clear()
+        self._promoting.clear()
+        self._writes.clear()
+        self._transfers.clear()
+
+    def stats(self) -> TierStats:
+        return self.primary.stats()
+
+    def tier_stats(self) -> list[TierStats]:
+        """Stats of every tier, the primary first."""
+        return [self.primary.stats(), *(tier.stats() for tier in self.secondaries)]
+
+    def close(self) -> None:
+        for tier in (self.primary, *self.secondaries):
+            tier.close()

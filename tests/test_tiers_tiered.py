@@ -1,0 +1,158 @@
+"""The tiered manager's bookkeeping: write-through, promotion, failures, events. The
+secondary here is a CPU-tier manager under another medium name (the bookkeeping is the
+same; bytes are moved by the worker, tested elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.keys import make_offload_key
+from kvoffload.manager import LookupResult, OffloadingEvent, PrepareStoreOutput
+from kvoffload.specs import LoadStoreSpec
+from kvoffload.tiers.tiered import TieredOffloadingManager
+
+HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
+
+
+class ShelfSpec(LoadStoreSpec):
+    medium = "SHELF"
+
+    def __init__(self, block_ids):
+        self.block_ids = block_ids
+
+
+class Shelf(CPUOffloadingManager):
+    """The CPU tier's bookkeeping under another medium, handing out ``ShelfSpec``s."""
+
+    medium = "SHELF"
+
+    def prepare_load(self, keys):
+        return ShelfSpec(super().prepare_load(keys).block_ids)
+
+    def prepare_store(self, keys):
+        out = super().prepare_store(keys)
+        return out and PrepareStoreOutput(
+            out.keys_to_store, ShelfSpec(out.store_spec.block_ids), out.evicted_keys
+        )
+
+
+def keys(*ids):
+    return [make_offload_key(bytes([i]) * 32, 0) for i in ids]
+
+
+def make(cpu=4, shelf=8, admit=None):
+    primary = CPUOffloadingManager(cpu, "lru", enable_events=True)
+    secondary = Shelf(shelf, "lru", enable_events=True)
+    return primary, secondary, TieredOffloadingManager(primary, [secondary], admit)
+
+
+def store(tiered, ks):
+    out = tiered.prepare_store(ks)
+    tiered.complete_store(out.keys_to_store)
+    return out
+
+
+def finish(tiered, transfers, success=True):
+    for t in transfers:
+        tiered.complete_transfer(t.token, success)
+
+
+def test_completed_stores_are_written_through_with_the_primary_blocks_pinned():
+    primary, secondary, tiered = make()
+    out = store(tiered, keys(1, 2))
+    (write,) = tiered.take_transfers()
+    assert write.src_spec.medium == "CPU" and write.dst_spec.medium == "SHELF"
+    assert write.src_spec.block_ids.tolist() == out.store_spec.block_ids.tolist()
+    assert [primary.state(k) for k in keys(1, 2)] == [1, 1]  # pinned while read
+    assert [secondary.lookup(k) for k in keys(1, 2)] == [PENDING] * 2
+    assert tiered.take_transfers() == []  # handed out once
+    finish(tiered, [write])
+    assert [primary.state(k) for k in keys(1, 2)] == [0, 0]
+    assert [secondary.lookup(k) for k in keys(1, 2)] == [HIT] * 2
+    assert tiered.take_events() == [
+        OffloadingEvent(keys(1, 2), "CPU", False),
+        OffloadingEvent(keys(1, 2), "SHELF", False),
+    ]
+
+
+def test_a_failed_write_frees_the_secondary_and_unpins_the_primary():
+    primary, secondary, tiered = make()
+    store(tiered, keys(1))
+    finish(tiered, tiered.take_transfers(), success=False)
+    assert primary.state(keys(1)[0]) == 0
+    assert secondary.lookup(keys(1)[0]) is MISS
+    assert secondary.stats().used == 0
+
+
+def test_a_key_evicted_from_the_primary_is_promoted_back_then_hits():
+    primary, secondary, tiered = make(cpu=2)
+    store(tiered, keys(1, 2))
+    finish(tiered, tiered.take_transfers())
+    store(tiered, keys(3, 4))  # evicts 1 and 2 from the primary
+    finish(tiered, tiered.take_transfers())
+    assert [primary.state(k) for k in keys(1, 2)] == [None, None]
+    assert [tiered.lookup(k) for k in keys(1, 2)] == [PENDING, PENDING]
+    assert tiered.lookup(keys(1)[0]) is PENDING  # asked again: still one promotion
+    tiered.take_events()
+    (promotion,) = tiered.take_transfers()
+    assert promotion.src_spec.medium == "SHELF" and promotion.dst_spec.medium == "CPU"
+    assert [secondary.state(k) for k in keys(1, 2)] == [1, 1]  # pinned while read
+    assert [tiered.lookup(k) for k in keys(1, 2)] == [PENDING, PENDING]  # being written
+    finish(tiered, [promotion])
+    assert [tiered.lookup(k) for k in keys(1, 2)] == [HIT, HIT]
+    assert [secondary.state(k) for k in keys(1, 2)] == [0, 0]
+    events = tiered.take_events()
+    assert OffloadingEvent(keys(3, 4), "CPU", True) in events  # room made for the promotion
+    assert OffloadingEvent(keys(1, 2), "CPU", False) in events
+
+
+def test_a_failed_promotion_drops_the_block_from_the_secondary():
+    primary, secondary, tiered = make(cpu=1)
+    store(tiered, keys(1))
+    finish(tiered, tiered.take_transfers())
+    store(tiered, keys(2))
+    finish(tiered, tiered.take_transfers())
+    assert tiered.lookup(keys(1)[0]) is PENDING
+    finish(tiered, tiered.take_transfers(), success=False)  # e.g. a checksum mismatch
+    assert tiered.lookup(keys(1)[0]) is MISS
+    assert primary.state(keys(1)[0]) is None and secondary.state(keys(1)[0]) is None
+    assert OffloadingEvent(keys(1), "SHELF", True) in tiered.take_events()
+
+
+def test_no_promotion_when_the_primary_cannot_make_room():
+    primary, secondary, tiered = make(cpu=1)
+    store(tiered, keys(1))
+    finish(tiered, tiered.take_transfers())
+    store(tiered, keys(2))
+    finish(tiered, tiered.take_transfers())
+    primary.prepare_load(keys(2))  # the only primary block is pinned by a load
+    assert tiered.lookup(keys(1)[0]) is PENDING
+    assert tiered.take_transfers() == []
+    assert secondary.state(keys(1)[0]) == 0  # nothing pinned, asked again later
+
+
+def test_admission_rule_and_a_full_secondary_decline_without_error():
+    primary, secondary, tiered = make(shelf=1, admit=[lambda key: key != keys(2)[0]])
+    store(tiered, keys(1, 2))
+    (write,) = tiered.take_transfers()
+    assert write.dst_spec.block_ids.tolist() == [0] and secondary.state(keys(2)[0]) is None
+    store(tiered, keys(3))  # the secondary's only block is being written: declined
+    assert tiered.take_transfers() == []
+    assert primary.state(keys(3)[0]) == 0  # not pinned for a write that never happens
+
+
+def test_reset_drops_every_tier_and_forgets_transfers():
+    primary, secondary, tiered = make()
+    store(tiered, keys(1))
+    (write,) = tiered.take_transfers()
+    tiered.reset()
+    assert primary.stats().used == 0 and secondary.stats().used == 0
+    with pytest.raises(KeyError, match=f"unknown tier transfer {write.token}"):
+        tiered.complete_transfer(write.token, True)
+
+
+def test_tiers_need_distinct_media():
+    primary = CPUOffloadingManager(2)
+    with pytest.raises(ValueError, match=r"own medium, got \['CPU', 'CPU'\]"):
+        TieredOffloadingManager(primary, [CPUOffloadingManager(2)])
