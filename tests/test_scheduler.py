@@ -29,9 +29,14 @@ class Req:
             self.block_hashes = HASHER.hash_request(self.all_token_ids, self.block_size)
 
 
-def make(num_blocks=16, groups=(KVGroup(4),), factor=1, policy="lru", mode="self_describing"):
+ONE_GROUP = (KVGroup(4),)
+
+
+def make(num_blocks=16, groups=ONE_GROUP, factor=1, policy="lru", mode="self_describing"):
     manager = CPUOffloadingManager(num_blocks, policy, enable_events=True)
-    return manager, OffloadingScheduler(manager, groups, hash_block_size=4, blocks_per_offload_block=factor, kv_events=mode)
+    return manager, OffloadingScheduler(
+        manager, groups, hash_block_size=4, blocks_per_offload_block=factor, kv_events=mode
+    )
 
 
 def run_prefill(sched, req, block_ids, computed=0):
@@ -175,21 +180,52 @@ def test_evictions_become_block_removed_and_reset_all_blocks_cleared():
     run_prefill(sched, b, [[2, 3]])
     events = sched.take_events()
     removed = [e for e in events if isinstance(e, BlockRemoved)]
-    assert removed == [BlockRemoved(block_hashes=[external_hash(h) for h in a.block_hashes], medium="CPU", group_idx=0)]
+    assert removed == [
+        BlockRemoved(block_hashes=[external_hash(h) for h in a.block_hashes], medium="CPU", group_idx=0)
+    ]
     sched.request_finished("b")
     sched.reset()
     assert sched.take_events() == [AllBlocksCleared()]
     assert manager.stats().used == 0
 
 
-def test_reset_refused_with_transfers_in_flight():
+def test_reset_with_a_store_in_flight_flushes_it_and_ignores_its_outcome():
+    manager, sched = make()
+    a = Req("a", list(range(12)), num_prompt_tokens=8)  # 8 prompt + 4 generated tokens
+    keys = [make_offload_key(h, 0) for h in a.block_hashes[:2]]
+    sched.match(a, 0)
+    sched.on_allocated("a", [[0, 1, 2]], 0)
+    (stale,) = sched.build_step([StepRequest("a", None, 8)]).stores
+    sched.reset()  # accepted, like vLLM's offloading connector
+    assert sched.take_events() == [AllBlocksCleared()]
+    assert [manager.lookup(k) for k in keys] == [LookupResult.MISS] * 2
+    # Next step: the worker first waits for the stale store (its host blocks are free
+    # again), and the still running request offloads its blocks again.
+    plan = sched.build_step([StepRequest("a", None, 9)])
+    assert plan.flush == {"a": [stale.job_id]}
+    (again,) = plan.stores
+    assert again.dst_spec.block_ids.tolist() == [0, 1]  # the same host blocks, hence the flush
+    sched.complete_jobs([(stale.job_id, True)])
+    assert [manager.lookup(k) for k in keys] == [LookupResult.PENDING] * 2
+    sched.complete_jobs([(again.job_id, True)])
+    assert [manager.lookup(k) for k in keys] == [LookupResult.HIT] * 2
+    assert sched.stats.blocks_stored == 2
+    with pytest.raises(KeyError, match=f"unknown transfer job {stale.job_id}"):
+        sched.complete_jobs([(stale.job_id, True)])
+
+
+def test_reset_refused_between_planning_a_load_and_sending_it():
     manager, sched = make()
     a = Req("a", list(range(8)))
-    sched.match(a, 0)
-    sched.on_allocated("a", [[0, 1]], 0)
-    sched.build_step([StepRequest("a", None, 8)])
-    with pytest.raises(RuntimeError, match="in flight"):
+    run_prefill(sched, a, [[0, 1]])
+    b = Req("b", list(range(8)) + [99])
+    assert sched.match(b, 0) == 8
+    sched.on_allocated("b", [[5, 6, 7]], 8)
+    with pytest.raises(RuntimeError, match="1 loads planned but not sent"):
         sched.reset()
+    (load,) = sched.build_step([]).loads
+    sched.reset()  # sent: the next plan flushes it
+    assert sched.build_step([]).flush == {"b": [load.job_id]}
 
 
 def test_two_groups_with_different_block_sizes_and_offload_factor():

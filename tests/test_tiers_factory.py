@@ -61,3 +61,59 @@ def test_bad_settings_name_the_value(kwargs, message):
 def test_a_budget_below_one_block_names_both_sizes():
     with pytest.raises(ValueError, match=r"cpu_bytes_to_use=100 holds no offloaded block \(101 bytes each\)"):
         build_manager(TierConfig(cpu_bytes_to_use=100), 101)
+
+
+def test_secondary_tiers_build_a_tiered_manager_and_a_routed_worker():
+    from kvoffload.tiers.secondary import parse_secondary_tiers
+    from kvoffload.tiers.tiered import TieredOffloadingManager
+    from shelf_tier import ShelfTierType
+
+    gen = torch.Generator().manual_seed(0)
+    caches, groups = three_group_layer_caches(8, gen)
+    layout = KVLayout.from_layer_tensors(caches, groups)
+    block_bytes = sum(layout.page_bytes(t) for t in range(len(layout.tensors)))
+    tiers = parse_secondary_tiers([{"type": "shelf_tier:ShelfTierType", "blocks": 7}])
+    config = TierConfig(cpu_bytes_to_use=block_bytes * 3, secondary_tiers=tiers)
+    manager = build_manager(config, block_bytes, {"model": "m"})
+    assert isinstance(manager, TieredOffloadingManager)
+    assert [s.capacity for s in manager.tier_stats()] == [3, 7]
+    with build_worker(config, layout, block_bytes, {"model": "m"}) as worker:
+        assert worker.routes == {("GPU", "CPU"), ("CPU", "GPU"), ("CPU", "SHELF"), ("SHELF", "CPU")}
+        assert worker.worker_for(("CPU", "SHELF")) is ShelfTierType.last_worker
+
+
+@pytest.mark.parametrize(
+    "entries, message",
+    [
+        ({"type": "fs"}, r"secondary_tiers must be a list of tier settings, got \{'type': 'fs'\}"),
+        ([["fs"]], r"secondary_tiers\[0\] must be a dict with a 'type', got \['fs'\]"),
+        ([{"root_dir": "/x"}], r"secondary_tiers\[0\] has no 'type'"),
+        ([{"type": "tape"}], r"secondary_tiers\[0\]: unknown secondary tier type 'tape'; known: fs"),
+        ([{"type": "no_such_module:Tier"}], r"secondary_tiers\[0\]: cannot import secondary tier type"),
+        ([{"type": "kvoffload.cpu:CPUOffloadingManager"}], "is not a SecondaryTierType subclass"),
+        (
+            [{"type": "shelf_tier:ShelfTierType", "blocks": 0}],
+            r"secondary_tiers\[0\]: blocks must be a positive",
+        ),
+        (
+            [{"type": "shelf_tier:ShelfTierType", "blocks": 2, "x": 1}],
+            r"secondary_tiers\[0\]: unknown key\(s\) \['x'\]",
+        ),
+    ],
+)
+def test_bad_secondary_tiers_name_the_entry_key_and_value(entries, message):
+    from kvoffload.tiers.secondary import parse_secondary_tiers
+
+    with pytest.raises(ValueError, match=message):
+        parse_secondary_tiers(entries)
+
+
+def test_namespace_changes_with_anything_that_changes_the_bytes():
+    from kvoffload.tiers.secondary import TierContext
+
+    base = {"model": "m", "cache_dtype": "auto", "groups": ["a"], "page_bytes": [4096]}
+    names = {TierContext(1, base).namespace()}
+    for key, value in (("model", "m2"), ("cache_dtype", "fp8"), ("groups", ["b"]), ("page_bytes", [2048])):
+        names.add(TierContext(1, {**base, key: value}).namespace())
+    assert len(names) == 5
+    assert TierContext(1, dict(reversed(list(base.items())))).namespace() == TierContext(1, base).namespace()

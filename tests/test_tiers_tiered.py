@@ -8,33 +8,11 @@ import pytest
 
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import make_offload_key
-from kvoffload.manager import LookupResult, OffloadingEvent, PrepareStoreOutput
-from kvoffload.specs import LoadStoreSpec
+from kvoffload.manager import LookupResult, OffloadingEvent
 from kvoffload.tiers.tiered import TieredOffloadingManager
+from shelf_tier import Shelf
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
-
-
-class ShelfSpec(LoadStoreSpec):
-    medium = "SHELF"
-
-    def __init__(self, block_ids):
-        self.block_ids = block_ids
-
-
-class Shelf(CPUOffloadingManager):
-    """The CPU tier's bookkeeping under another medium, handing out ``ShelfSpec``s."""
-
-    medium = "SHELF"
-
-    def prepare_load(self, keys):
-        return ShelfSpec(super().prepare_load(keys).block_ids)
-
-    def prepare_store(self, keys):
-        out = super().prepare_store(keys)
-        return out and PrepareStoreOutput(
-            out.keys_to_store, ShelfSpec(out.store_spec.block_ids), out.evicted_keys
-        )
 
 
 def keys(*ids):

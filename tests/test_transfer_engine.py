@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
-from transfer_oracle import (
-    assert_state,
-    distinct,
-    expected_after,
-    randomize,
-    snapshot,
-    three_group_layer_caches,
-)
 
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
 from kvoffload.transfer import (
@@ -21,6 +15,14 @@ from kvoffload.transfer import (
     HostBlockPool,
     KVLayout,
     TransferEngine,
+)
+from transfer_oracle import (
+    assert_state,
+    distinct,
+    expected_after,
+    randomize,
+    snapshot,
+    three_group_layer_caches,
 )
 
 NUM_DEVICE = 32
@@ -68,7 +70,9 @@ def run_job(engine, layout, pool, store, device_ids, sizes, indices, host_ids, j
     assert result.job_id == job_id and result.direction == (STORE if store else LOAD)
     page_bytes = [layout.group_page_bytes(g) for g in range(layout.num_groups)]
     assert result.bytes == sum(n * p for n, p in zip(sizes, page_bytes))
-    assert_state(layout, pool, expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids))
+    assert_state(
+        layout, pool, expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids)
+    )
 
 
 @pytest.mark.parametrize("layout_kind", ["per_layer", "cross_layer", "kv_split"])
@@ -193,13 +197,42 @@ def test_bad_jobs_rejected_at_submit(device_ids, sizes, host_ids, message):
 
 def test_duplicate_destinations_and_job_ids_rejected():
     layout, pool, engine = make_setup("per_layer", 1)
+    before = snapshot(layout, pool)
+    # Every copy waits until released: job 1 stays in flight, whatever the timing.
+    release = threading.Event()
+    run = engine._executor.run
+
+    def held(*args, **kwargs):
+        release.wait()
+        return run(*args, **kwargs)
+
+    engine._executor.run = held
+    store_1 = (DeviceLoadStoreSpec([0], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([3]))
     with engine:
-        with pytest.raises(ValueError, match="writes a host sub-block twice"):
-            engine.submit(1, DeviceLoadStoreSpec([0, 1], [2, 0, 0, 0], [0] * 4), CPULoadStoreSpec([3, 3]))
-        with pytest.raises(ValueError, match="writes a device block twice"):
-            engine.submit(1, CPULoadStoreSpec([3, 4]), DeviceLoadStoreSpec([0, 0], [2, 0, 0, 0], [0] * 4))
-        with pytest.raises(TypeError, match="DeviceLoadStoreSpec"):
-            engine.submit(1, CPULoadStoreSpec([3]), CPULoadStoreSpec([4]))
+        try:
+            assert engine.submit(1, *store_1) is True
+            # the same id, valid specs, either direction: refused while job 1 runs
+            with pytest.raises(ValueError, match=r"^job id 1 is already in flight$"):
+                engine.submit(1, DeviceLoadStoreSpec([1], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([4]))
+            with pytest.raises(ValueError, match=r"^job id 1 is already in flight$"):
+                engine.submit(1, CPULoadStoreSpec([5]), DeviceLoadStoreSpec([2], [1, 0, 0, 0], [0] * 4))
+            with pytest.raises(ValueError, match=r"^group 0 writes a host sub-block twice in job 2$"):
+                engine.submit(2, DeviceLoadStoreSpec([0, 1], [2, 0, 0, 0], [0] * 4), CPULoadStoreSpec([3, 3]))
+            with pytest.raises(ValueError, match=r"^group 0 writes a device block twice in job 2$"):
+                engine.submit(2, CPULoadStoreSpec([3, 4]), DeviceLoadStoreSpec([0, 0], [2, 0, 0, 0], [0] * 4))
+            with pytest.raises(TypeError, match="DeviceLoadStoreSpec"):
+                engine.submit(2, CPULoadStoreSpec([3]), CPULoadStoreSpec([4]))
+            release.set()
+            engine.wait([1])
+            assert [(r.job_id, r.success) for r in engine.poll()] == [(1, True)]
+            # finished: the id is free again
+            assert engine.submit(1, *store_1) is True
+            engine.wait([1])
+            assert [(r.job_id, r.success) for r in engine.poll()] == [(1, True)]
+        finally:
+            release.set()  # before close() joins the workers, whatever failed
+    # only job 1's copy happened: the refused jobs wrote nothing
+    assert_state(layout, pool, expected_after(layout, pool, before, True, [0], [1, 0, 0, 0], [0] * 4, [3]))
 
 
 def test_submit_after_close_raises_and_results_survive():

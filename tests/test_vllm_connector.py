@@ -14,21 +14,20 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from kvoffload.events.codec import decode  # noqa: E402
-from kvoffload.events.types import BlockRemoved, BlockStored  # noqa: E402
 from kvoffload.demo.offline import (  # noqa: E402
     close_llm,
     host_transfer_engine,
     kv_block_bytes,
     make_llm,
     scheduler_connector,
+    settle,
     word_text,
-    worker_connector,
 )
 from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
+from kvoffload.events.codec import decode  # noqa: E402
+from kvoffload.events.types import BlockRemoved, BlockStored  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
 
 
 def prompt(seed: int, n: int = 2000) -> str:
@@ -105,6 +104,7 @@ def test_prefix_served_from_cpu_tier_matches_recomputation(model_path, baseline)
         text = prompt(1)
         out, cached = generate(llm, text)
         assert out == baseline[1] and cached == 0
+        settle(llm)  # the last stores may still be in flight
         assert llm.reset_prefix_cache()
         out, cached = generate(llm, text)
         # 31 offloaded blocks of 64 tokens; the engine computes the rest itself
@@ -131,6 +131,7 @@ def test_prefix_served_from_cpu_tier_matches_recomputation(model_path, baseline)
 
         # The engine keeps an odd number of 32-token blocks (33) of the prompt itself: the
         # load starts half-way into offloaded block 16 (F = 2) and fills the rest.
+        settle(llm)  # the last stores may still be in flight
         assert llm.reset_prefix_cache()
         generate(llm, text[:1060])
         before = scheduler_connector(llm).offload_stats().tokens_loaded
@@ -145,6 +146,7 @@ def test_prefix_served_from_cpu_tier_matches_recomputation(model_path, baseline)
         gen = torch.Generator().manual_seed(0)
         for t in pool.tensors:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+        settle(llm)  # the last stores may still be in flight
         assert llm.reset_prefix_cache()
         out, cached = generate(llm, text)
         assert cached == 31 * 64
@@ -166,32 +168,54 @@ def test_cpu_tier_evictions_are_published(model_path, baseline):
         assert generate(llm, prompt(1))[0] == baseline[1]
         assert generate(llm, prompt(2))[0] == baseline[2]
         drain(llm, sub)
-        removed = [h for e in sub.events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes]
-        stored = [h for e in sub.events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes]
+        removed = [
+            h for e in sub.events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes
+        ]
+        stored = [
+            h for e in sub.events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes
+        ]
         assert len(stored) == 124 and len(removed) == 24
         assert set(removed) <= set(stored)
+        # ARC evicts the least recently used idle blocks first: prompt 1's first 24 (one
+        # store job wrote its 62 blocks in order, before prompt 2's 62 needed room).
+        assert set(removed) == set(stored[:24])
+        settle(llm)  # the last stores may still be in flight
         assert llm.reset_prefix_cache()
-        # the first prompt lost 24 of its blocks: only its surviving head is loadable
-        out, cached = generate(llm, prompt(1))
-        assert out == baseline[1]
-        assert cached < 62 * 32
+        # Prompt 2 is whole in the tier: 62 blocks of 32 tokens (the prompt's last 16
+        # tokens are never offloaded).
+        assert generate(llm, prompt(2)) == (baseline[2], 62 * 32)
+        # Prompt 1 kept blocks 24..61 only; a prefix match stops at its missing block 0,
+        # so nothing is loaded and the engine recomputes it all.
+        assert generate(llm, prompt(1)) == (baseline[1], 0)
     finally:
         close_llm(llm)
         sub.close()
 
 
 @pytest.mark.parametrize(
-    "extra, key",
+    "extra, message",
     [
-        ({}, "cpu_bytes_to_use"),
-        ({"cpu_bytes_to_use": -5}, "cpu_bytes_to_use"),
-        ({"cpu_bytes_to_use": 1 << 20, "block_size": 48}, "block_size"),
-        ({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "nope"}, "eviction_policy"),
-        ({"cpu_bytes_to_use": 1 << 20, "kv_events": "loud"}, "kv_events"),
+        ({}, r"\['cpu_bytes_to_use'\] is required"),
+        ({"cpu_bytes_to_use": -5}, r"\['cpu_bytes_to_use'\] must be a positive int, got -5$"),
+        # the engine's blocks are 32 tokens
+        (
+            {"cpu_bytes_to_use": 1 << 20, "block_size": 48},
+            r"\['block_size'\] must be a multiple of the engine block size 32, got 48$",
+        ),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "eviction_policy": "nope"},
+            r"eviction_policy.*unknown eviction policy 'nope'",
+        ),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "kv_events": "loud"},
+            r"\['kv_events'\] must be one of \['self_describing', 'placeholder'\], got 'loud'$",
+        ),
     ],
 )
-def test_bad_extra_config_fails_engine_start(model_path, extra, key):
-    with pytest.raises(Exception, match=key):
+def test_bad_extra_config_fails_engine_start(model_path, extra, message):
+    # The in-process engine builds its connector in this thread: the config's own
+    # ValueError reaches the caller, naming the key and the bad value.
+    with pytest.raises(ValueError, match=message):
         llm = make_llm(model_path, kvoffload=extra)
         close_llm(llm)
 
@@ -209,13 +233,20 @@ def test_hybrid_sliding_window_model_two_kv_groups(tmp_path):
     llm = make_llm(path, kvoffload={"cpu_bytes_to_use": 256 << 20})
     try:
         groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
-        assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == ["FullAttentionSpec", "SlidingWindowSpec"]
+        assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == [
+            "FullAttentionSpec",
+            "SlidingWindowSpec",
+        ]
         assert generate(llm, text) == (expected, 0)
+        settle(llm)  # the last stores may still be in flight
         assert llm.reset_prefix_cache()
         assert generate(llm, text) == (expected, 62 * 32)
         pool = host_transfer_engine().host_pool
         for t in pool.tensors:
-            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+            t.copy_(
+                torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+            )
+        settle(llm)  # the last stores may still be in flight
         assert llm.reset_prefix_cache()
         out, cached = generate(llm, text)
         assert cached == 62 * 32 and out != expected
@@ -234,11 +265,13 @@ def test_preemptions_under_memory_pressure_do_not_change_outputs(model_path):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     results = {}
     for name, extra in (("base", None), ("kvoffload", {"cpu_bytes_to_use": 64 << 20})):
-        llm = make_llm(model_path, kv_cache_bytes=48 * kv_block_bytes(model_path), max_model_len=1500, kvoffload=extra)
+        llm = make_llm(
+            model_path, kv_cache_bytes=48 * kv_block_bytes(model_path), max_model_len=1500, kvoffload=extra
+        )
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         preempt, preemptions = scheduler._preempt_request, []
 
-        def counting(*args, **kwargs):
+        def counting(*args, preempt=preempt, preemptions=preemptions, **kwargs):
             preemptions.append(1)
             return preempt(*args, **kwargs)
 
@@ -249,7 +282,13 @@ def test_preemptions_under_memory_pressure_do_not_change_outputs(model_path):
             assert preemptions, "the workload must make the engine preempt"
             if extra:
                 stats = scheduler_connector(llm).offload_stats()
-                assert stats.tokens_loaded > 0 and stats.failed_loads == 0 and stats.failed_stores == 0
+                assert stats.failed_loads == 0 and stats.failed_stores == 0
+                # How much comes from the tier depends on when the engine preempts, which
+                # async store completions shift: the count is not fixed. Bounded: every
+                # planned load completed, and the tokens handed to the engine lie in the
+                # loaded 32-token blocks (F=1); fewer when a load stops at the prompt's
+                # last token, which the engine computes itself.
+                assert 0 < stats.tokens_loaded <= 32 * stats.blocks_loaded
         finally:
             close_llm(llm)
     assert results["kvoffload"] == results["base"]
@@ -270,10 +309,14 @@ def test_failed_loads_are_recomputed(model_path, baseline):
             return run(store, *args, **kwargs)
 
         executor.run = failing_loads
+        settle(llm)  # the last stores may still be in flight
         assert llm.reset_prefix_cache()
         out, _ = generate(llm, text)
         assert out == baseline[1]
         stats = scheduler_connector(llm).offload_stats()
-        assert stats.failed_loads >= 1 and stats.blocks_loaded == 0
+        # One load was planned: the 62 offloaded blocks (F=1) of the 2000-token prompt. It
+        # failed, and after a failed load the request is never matched again, so the engine
+        # recomputed it without a second try.
+        assert (stats.failed_loads, stats.blocks_loaded, stats.tokens_loaded) == (1, 0, 62 * 32)
     finally:
         close_llm(llm)

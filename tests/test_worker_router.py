@@ -3,78 +3,14 @@ to peer workers; the host-memory ``TransferEngine`` is one of them."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec, LoadStoreSpec
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
 from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
-from kvoffload.worker import OffloadingWorker, TransferResult, WorkerRouter
+from kvoffload.worker import WorkerRouter
+from shelf_tier import ShelfSpec, ShelfWorker
 from transfer_oracle import three_group_layer_caches
-
-
-class ShelfSpec(LoadStoreSpec):
-    """Slots of a second medium (a dict 'shelf' of bytes), to give the router a peer."""
-
-    medium = "SHELF"
-
-    def __init__(self, slots):
-        self.slots = list(slots)
-
-
-class ShelfWorker(OffloadingWorker):
-    """A real, if small, mover between host-pool rows and a dict of bytes. Jobs run when
-    ``release`` is set, so a test controls when they finish."""
-
-    routes = frozenset({("CPU", "SHELF"), ("SHELF", "CPU")})
-
-    def __init__(self, pool: HostBlockPool):
-        self.pool = pool
-        self.shelf: dict[int, bytes] = {}
-        self.release = threading.Event()
-        self._results: list[TransferResult] = []
-        self._threads: dict[int, threading.Thread] = {}
-        self.closed = False
-
-    def submit(self, job_id, src_spec, dst_spec):
-        if job_id in self._threads:
-            raise ValueError(f"job id {job_id} is already in flight")
-        thread = threading.Thread(target=self._run, args=(job_id, src_spec, dst_spec))
-        self._threads[job_id] = thread
-        thread.start()
-        return True
-
-    def _run(self, job_id, src, dst):
-        self.release.wait()
-        tensor = self.pool.tensors[0]
-        if src.medium == "CPU":
-            for block, slot in zip(src.block_ids.tolist(), dst.slots):
-                self.shelf[slot] = tensor[block].numpy().tobytes()
-        else:
-            for slot, block in zip(src.slots, dst.block_ids.tolist()):
-                tensor[block].copy_(torch.frombuffer(bytearray(self.shelf[slot]), dtype=torch.uint8))
-        self._results.append(TransferResult(job_id, True, 0, 0.0, f"{src.medium}->{dst.medium}"))
-
-    def poll(self):
-        results, self._results = self._results, []
-        for result in results:
-            self._threads.pop(result.job_id).join()
-        return results
-
-    def wait(self, job_ids, timeout=None):
-        for job_id in job_ids:
-            thread = self._threads.get(job_id)
-            if thread is not None:
-                thread.join(timeout)
-                if thread.is_alive():
-                    raise TimeoutError(f"job {job_id} still running")
-
-    def close(self):
-        self.release.set()
-        for thread in list(self._threads.values()):
-            thread.join()
-        self.closed = True
 
 
 @pytest.fixture
@@ -85,6 +21,7 @@ def setup():
     pool = HostBlockPool(layout, 4)
     engine = TransferEngine(layout, pool)
     shelf = ShelfWorker(pool)
+    shelf.release.clear()  # jobs wait until a test releases them
     router = WorkerRouter([engine, shelf])
     yield layout, pool, engine, shelf, router
     router.close()

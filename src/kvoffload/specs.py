@@ -67,7 +67,9 @@ class DiskLoadStoreSpec(LoadStoreSpec):
         self.block_ids = _int_array("block_ids", block_ids)
         self.keys = list(keys)
         if len(self.keys) != len(self.block_ids):
-            raise ValueError(f"{len(self.block_ids)} block_ids but {len(self.keys)} keys; give one key per block")
+            raise ValueError(
+                f"{len(self.block_ids)} block_ids but {len(self.keys)} keys; give one key per block"
+            )
 
     def __repr__(self) -> str:
         return f"DiskLoadStoreSpec({self.block_ids.tolist()}, {len(self.keys)} keys)"

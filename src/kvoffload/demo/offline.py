@@ -60,10 +60,12 @@ def make_llm(
     events_endpoint: str | None = None,
     seed: int = 0,
     dtype: str = "float32",
+    **engine_args: Any,
 ) -> Any:
+    """``engine_args`` (e.g. ``max_num_batched_tokens``) go to ``vllm.LLM`` unchanged."""
     from vllm import LLM
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(engine_args)
     if kvoffload is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config(kvoffload)
     if events_endpoint is not None:
@@ -107,6 +109,14 @@ def worker_connector() -> Any:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group()
+
+
+def settle(llm: Any) -> None:
+    """Wait until kvoffload's transfers in flight finished, then run one engine step so that
+    vLLM hears of it: jobs complete, and the device blocks held for finished requests are
+    freed (``reset_prefix_cache`` then succeeds). Deterministic: no timing involved."""
+    worker_connector()._worker.wait_idle()
+    llm.llm_engine.step()
 
 
 def host_transfer_engine() -> Any:

@@ -54,13 +54,15 @@ class SchedulerStats(Counters):
     blocks_stored: int = 0
     failed_loads: int = 0
     failed_stores: int = 0
+    failed_tier_transfers: int = 0  # write-through or promotion copies between tiers
 
 
 @dataclass
 class _Job:
-    req_id: str
+    req_id: str  # "" for a transfer between tiers
     is_store: bool
     keys: list[OffloadKey]
+    token: int | None = None  # the manager's TierTransfer token
 
 
 @dataclass
@@ -109,6 +111,7 @@ class OffloadingScheduler:
         self._wire_events: list[KVEvent] = []
         self._requests: dict[str, _RequestState] = {}
         self._jobs: dict[int, _Job] = {}
+        self._stale_jobs: set[int] = set()  # in flight at a reset: outcome not applied
         self._next_job_id = 0
         self._pending_loads: list[TransferJob] = []
         self._hold: dict[str, list[int]] = {}
@@ -135,14 +138,20 @@ class OffloadingScheduler:
             start = num_computed_tokens // tokens
             end = min(self._num_full(hashes, g), -(-limit // tokens))
             hits = start
+            waiting = False
             for key in self._keys(hashes, g, start, end):
                 result = self.manager.lookup(key)
                 if result is LookupResult.HIT:
-                    hits += 1
+                    if not waiting:
+                        hits += 1
                     continue
-                if result in (LookupResult.PENDING, LookupResult.RETRY):
-                    return None
-                break
+                if result is LookupResult.MISS:
+                    break
+                # PENDING or RETRY: ask again next step. Looking on lets a tiered manager
+                # promote the rest of the prefix in the same batch.
+                waiting = True
+            if waiting:
+                return None
             hit_tokens = min(hit_tokens, hits * tokens)
         return max(0, hit_tokens - num_computed_tokens)
 
@@ -166,12 +175,15 @@ class OffloadingScheduler:
         device_ids: list[int] = []
         sizes: list[int] = []
         indices: list[int] = []
+        f = self.blocks_per_offload_block
         for g, tokens in enumerate(self._tokens):
             block_size = self.groups[g].block_size
             last = -(-end_tokens // tokens)
-            first_device = self._first_present(state.block_ids[g], num_computed_tokens // block_size, last * self.blocks_per_offload_block)
-            keys += self._keys(hashes, g, first_device // self.blocks_per_offload_block, last)
-            ids = state.block_ids[g][first_device : last * self.blocks_per_offload_block]
+            first_device = self._first_present(
+                state.block_ids[g], num_computed_tokens // block_size, last * f
+            )
+            keys += self._keys(hashes, g, first_device // f, last)
+            ids = state.block_ids[g][first_device : last * f]
             device_ids += ids
             sizes.append(len(ids))
             indices.append(first_device)
@@ -187,6 +199,9 @@ class OffloadingScheduler:
     def build_step(self, scheduled: Iterable[StepRequest], preempted: Iterable[str] = ()) -> StepPlan:
         plan = StepPlan(loads=self._pending_loads)
         self._pending_loads = []
+        for transfer in self.manager.take_transfers():
+            job_id = self._new_job("", False, [], transfer.token)
+            plan.transfers.append(TransferJob(job_id, "", False, transfer.src_spec, transfer.dst_spec))
         for step in scheduled:
             state = self._requests.get(step.req_id)
             if state is None:
@@ -212,16 +227,17 @@ class OffloadingScheduler:
         hashes = self._hashes(state.request)
         tokens_ids = state.request.all_token_ids
         candidates: list[tuple[int, int, OffloadKey]] = []  # (group, offloaded block, key)
+        f = self.blocks_per_offload_block
         for g, tokens in enumerate(self._tokens):
             start = state.stored_blocks[g]
-            end = min(num_computed_tokens // tokens, self._num_full(hashes, g), len(state.block_ids[g]) // self.blocks_per_offload_block)
+            end = min(num_computed_tokens // tokens, self._num_full(hashes, g), len(state.block_ids[g]) // f)
             if end <= start:
                 continue
             device = state.block_ids[g]
             candidates += [
                 (g, j, key)
                 for j, key in zip(range(start, end), self._keys(hashes, g, start, end))
-                if self.null_block_id not in device[j * self.blocks_per_offload_block : (j + 1) * self.blocks_per_offload_block]
+                if self.null_block_id not in device[j * f : (j + 1) * f]
             ]
             state.stored_blocks[g] = end
         if not candidates:
@@ -237,9 +253,9 @@ class OffloadingScheduler:
             if key not in chosen:
                 continue
             if sizes[g] == 0:
-                indices[g] = j * self.blocks_per_offload_block
-            device_ids += state.block_ids[g][j * self.blocks_per_offload_block : (j + 1) * self.blocks_per_offload_block]
-            sizes[g] += self.blocks_per_offload_block
+                indices[g] = j * f
+            device_ids += state.block_ids[g][j * f : (j + 1) * f]
+            sizes[g] += f
             tokens = self._tokens[g]
             parent = self._hash_at(hashes, g, j - 1) if j > 0 else None
             self._events.remember(key, parent, tokens_ids, j * tokens, (j + 1) * tokens)
@@ -254,7 +270,14 @@ class OffloadingScheduler:
             job = self._jobs.pop(job_id, None)
             if job is None:
                 raise KeyError(f"unknown transfer job {job_id}")
-            if job.is_store:
+            if job_id in self._stale_jobs:
+                # its keys went with the reset; the tier may have reserved them afresh
+                self._stale_jobs.discard(job_id)
+            elif job.token is not None:
+                self.manager.complete_transfer(job.token, success)
+                if not success:
+                    self.stats.failed_tier_transfers += 1
+            elif job.is_store:
                 self.manager.complete_store(job.keys, success)
                 if success:
                     self.stats.blocks_stored += len(job.keys)
@@ -307,10 +330,25 @@ class OffloadingScheduler:
         return events
 
     def reset(self) -> None:
-        """Drop every offloaded block. Refused (``RuntimeError``) while transfers are
-        planned or in flight: their host blocks could be handed out again mid-copy."""
-        if self._jobs:
-            raise RuntimeError(f"cannot reset the offloading tier with {len(self._jobs)} transfers in flight")
+        """Drop every offloaded block, also while transfers are in flight (as vLLM's own
+        offloading connector does: vLLM's pause and sleep fail on a refused reset).
+
+        Jobs in flight keep running: the next plan's ``flush`` makes the worker wait for
+        them before that step's jobs, which may reuse their host blocks, start; their
+        outcomes are not applied. Requests still running offload their blocks again.
+        Refused (``RuntimeError``) only between ``on_allocated`` planning a load and
+        ``build_step`` handing it out (inside one engine step): that load would read host
+        blocks the reset frees."""
+        if self._pending_loads:
+            raise RuntimeError(
+                f"cannot reset the offloading tier with {len(self._pending_loads)} loads planned but not sent"
+            )
+        for job_id, job in self._jobs.items():
+            if job_id not in self._stale_jobs:
+                self._flush.setdefault(job.req_id, []).append(job_id)
+        self._stale_jobs.update(self._jobs)
+        for state in self._requests.values():
+            state.stored_blocks = [0] * len(self.groups)
         self._wire_events += self._events.convert(self.manager.take_events())
         self.manager.reset()
         self.manager.take_events()  # the reset's own removals are said by AllBlocksCleared
@@ -356,9 +394,10 @@ class OffloadingScheduler:
         step = self._tokens[g] // self.hash_block_size
         return [make_offload_key(hashes[(j + 1) * step - 1], g) for j in range(start, end)]
 
-    def _new_job(self, req_id: str, is_store: bool, keys: list[OffloadKey]) -> int:
+    def _new_job(self, req_id: str, is_store: bool, keys: list[OffloadKey], token: int | None = None) -> int:
         job_id = self._next_job_id
         self._next_job_id += 1
-        self._jobs[job_id] = _Job(req_id, is_store, keys)
-        self._requests[req_id].jobs.add(job_id)
+        self._jobs[job_id] = _Job(req_id, is_store, keys, token)
+        if req_id:
+            self._requests[req_id].jobs.add(job_id)
         return job_id

@@ -77,7 +77,9 @@ class TransferJob:
 class StepPlan:
     """What the worker does this step.
 
-    Loads run before the forward pass, stores after it. ``hold_blocks`` names finished
+    Loads run before the forward pass, stores after it. ``transfers`` move blocks between
+    tiers (write-through, promotion; ``req_id`` is ``""``): they may start at any time and
+    touch no device block. ``hold_blocks`` names finished
     requests whose device blocks the engine must keep until the listed jobs complete.
     ``flush`` names preempted requests whose jobs must complete before their blocks are
     reused.
@@ -85,5 +87,6 @@ class StepPlan:
 
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
+    transfers: list[TransferJob] = field(default_factory=list)
     hold_blocks: dict[str, list[int]] = field(default_factory=dict)
     flush: dict[str, list[int]] = field(default_factory=dict)

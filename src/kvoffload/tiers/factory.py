@@ -4,23 +4,32 @@ An engine adapter builds both halves from one ``TierConfig`` and the bytes one o
 block takes on the host (a page of every KV tensor, ``blocks_per_offload_block`` times),
 so the scheduler's slot ids and the worker's host pool always agree on the block count:
 
-* ``build_manager(config, block_bytes)`` -> the ``OffloadingManager`` the scheduler plans
-  with (today the CPU tier, ``kvoffload.cpu.CPUOffloadingManager``);
-* ``build_worker(config, layout, block_bytes)`` -> the ``OffloadingWorker`` that moves the
-  jobs (a ``WorkerRouter`` over the host-memory ``TransferEngine``). It imports the
-  transfer layer (torch) only when called: the scheduler side never loads it.
+* ``build_manager(config, block_bytes, identity)`` -> the ``OffloadingManager`` the
+  scheduler plans with: the CPU tier (``kvoffload.cpu.CPUOffloadingManager``) alone, or a
+  ``TieredOffloadingManager`` over it and the configured secondary tiers;
+* ``build_worker(config, layout, block_bytes, identity, rank)`` -> the
+  ``OffloadingWorker`` that moves the jobs: a ``WorkerRouter`` over the host-memory
+  ``TransferEngine`` and each secondary tier's worker. It imports the transfer layer
+  (torch) only when called: the scheduler side never loads it.
+
+``identity`` describes what the block bytes mean (model, dtype, layout, block size, group
+specs, hash seed); secondary tiers derive their namespace from it
+(``kvoffload.tiers.secondary.TierContext``).
 
 Every error is a ``ValueError`` naming the setting and its bad value.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.manager import OffloadingManager
 from kvoffload.policies import resolve_policy
+from kvoffload.tiers.secondary import SecondaryTierType, TierContext
+from kvoffload.tiers.tiered import TieredOffloadingManager
 from kvoffload.validation import positive_int
 from kvoffload.worker import OffloadingWorker, WorkerRouter
 
@@ -31,11 +40,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TierConfig:
     """``cpu_bytes_to_use`` host bytes for the CPU tier; an offloaded block spans
-    ``blocks_per_offload_block`` device blocks; ``eviction_policy`` names a policy."""
+    ``blocks_per_offload_block`` device blocks; ``eviction_policy`` names a policy (of
+    every tier); ``secondary_tiers`` below the CPU tier, fastest first
+    (``kvoffload.tiers.secondary.parse_secondary_tiers``)."""
 
     cpu_bytes_to_use: int
     blocks_per_offload_block: int = 1
     eviction_policy: str = "lru"
+    secondary_tiers: tuple[SecondaryTierType, ...] = ()
 
     def __post_init__(self) -> None:
         positive_int("cpu_bytes_to_use", self.cpu_bytes_to_use)
@@ -57,15 +69,39 @@ class TierConfig:
         return count
 
 
-def build_manager(config: TierConfig, block_bytes: int, enable_events: bool = True) -> OffloadingManager:
+def build_manager(
+    config: TierConfig,
+    block_bytes: int,
+    identity: Mapping[str, Any] | None = None,
+    enable_events: bool = True,
+) -> OffloadingManager:
     """The scheduler-side manager of the configured tiers."""
-    return CPUOffloadingManager(config.num_host_blocks(block_bytes), config.eviction_policy, enable_events)
+    cpu = CPUOffloadingManager(config.num_host_blocks(block_bytes), config.eviction_policy, enable_events)
+    if not config.secondary_tiers:
+        return cpu
+    context = TierContext(block_bytes, dict(identity or {}))
+    secondaries = [tier.build_manager(context, config.eviction_policy) for tier in config.secondary_tiers]
+    return TieredOffloadingManager(cpu, secondaries)
 
 
-def build_worker(config: TierConfig, layout: KVLayout, block_bytes: int) -> OffloadingWorker:
+def build_worker(
+    config: TierConfig,
+    layout: KVLayout,
+    block_bytes: int,
+    identity: Mapping[str, Any] | None = None,
+    rank: int = 0,
+) -> OffloadingWorker:
     """The worker side of the configured tiers, over the device KV described by ``layout``."""
     from kvoffload.transfer.engine import TransferEngine
     from kvoffload.transfer.host_pool import HostBlockPool
 
     pool = HostBlockPool(layout, config.num_host_blocks(block_bytes), config.blocks_per_offload_block)
-    return WorkerRouter([TransferEngine(layout, pool)])
+    workers: list[OffloadingWorker] = [TransferEngine(layout, pool)]
+    context = TierContext(block_bytes, dict(identity or {}), rank)
+    try:
+        workers += [tier.build_worker(context, pool) for tier in config.secondary_tiers]
+    except BaseException:
+        for worker in workers:
+            worker.close()
+        raise
+    return WorkerRouter(workers)

@@ -9,6 +9,9 @@ Keys:
   ``package.module:ClassName`` path.
 * ``kv_events``: ``self_describing`` (default: ``BlockStored`` with tokens and parent) or
   ``placeholder`` (vLLM's own offloading form: ``block_size=0``, no tokens).
+* ``secondary_tiers``: tiers below the CPU tier, as vLLM 0.32 configures them:
+  ``[{"type": "fs", "root_dir": "/path", "bytes_to_use": N, ...}]`` (see
+  ``kvoffload.tiers.secondary``; out-of-tree tiers by ``"package.module:ClassName"``).
 
 Every error is a ``ValueError`` whose message names the key and the bad value.
 """
@@ -21,9 +24,10 @@ from typing import Any
 
 from kvoffload.scheduler.events import EVENT_MODES
 from kvoffload.tiers.factory import TierConfig
+from kvoffload.tiers.secondary import parse_secondary_tiers
 from kvoffload.validation import positive_int
 
-KNOWN_KEYS = ("cpu_bytes_to_use", "block_size", "eviction_policy", "kv_events")
+KNOWN_KEYS = ("cpu_bytes_to_use", "block_size", "eviction_policy", "kv_events", "secondary_tiers")
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,12 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
             f"kv_connector_extra_config['kv_events'] must be one of {list(EVENT_MODES)}, got {events!r}"
         )
     try:
-        tiers = TierConfig(cpu_bytes, block_size // engine_block_size, extra.get("eviction_policy", "lru"))
+        tiers = TierConfig(
+            cpu_bytes,
+            block_size // engine_block_size,
+            extra.get("eviction_policy", "lru"),
+            parse_secondary_tiers(extra.get("secondary_tiers", [])),
+        )
     except ValueError as exc:
         raise ValueError(f"kv_connector_extra_config: {exc}") from None
     return OffloadConfig(tiers, events)

@@ -46,7 +46,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, config)
         else:
-            self._worker = WorkerSide(kv_cache_config, config)
+            self._worker = WorkerSide(vllm_config, kv_cache_config, config)
 
     # -- worker role ---------------------------------------------------------------------
 

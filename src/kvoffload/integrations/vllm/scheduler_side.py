@@ -17,11 +17,10 @@ from vllm.v1.request import Request
 
 from kvoffload.events import types as kv_types
 from kvoffload.integrations.vllm.config import OffloadConfig
-from kvoffload.integrations.vllm.layout import host_block_bytes
+from kvoffload.integrations.vllm.layout import host_block_bytes, kv_identity
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
 from kvoffload.tiers.factory import build_manager
-
 
 # vLLM's block pool hands out block 0 as its null block, the placeholder for positions
 # outside a sliding window.
@@ -48,7 +47,11 @@ class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
         tiers = config.tiers
         try:
-            self.manager = build_manager(tiers, host_block_bytes(kv_cache_config, tiers.blocks_per_offload_block))
+            self.manager = build_manager(
+                tiers,
+                host_block_bytes(kv_cache_config, tiers.blocks_per_offload_block),
+                kv_identity(vllm_config, kv_cache_config, tiers.blocks_per_offload_block),
+            )
         except ValueError as exc:
             raise ValueError(f"kv_connector_extra_config: {exc}") from None
         hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
@@ -63,7 +66,9 @@ class SchedulerSide:
         self._num_workers = vllm_config.parallel_config.world_size
         self._reports: dict[int, tuple[int, bool]] = {}
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         tokens = self.scheduler.match(request, num_computed_tokens)
         if tokens is None:
             return None, False
@@ -74,7 +79,12 @@ class SchedulerSide:
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVOffloadMetadata:
         steps = [
-            StepRequest(new.req_id, new.block_ids, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id], True)
+            StepRequest(
+                new.req_id,
+                new.block_ids,
+                new.num_computed_tokens + out.num_scheduled_tokens[new.req_id],
+                True,
+            )
             for new in out.scheduled_new_reqs
         ]
         cached = out.scheduled_cached_reqs

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvoffload.integrations.vllm.config import OffloadConfig
-from kvoffload.integrations.vllm.layout import build_layout, host_block_bytes
+from kvoffload.integrations.vllm.layout import build_layout, host_block_bytes, kv_identity
 from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
 from kvoffload.scheduler import StepPlan, TransferJob
 from kvoffload.tiers.factory import build_worker
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
+        self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._config = config
         self.worker: OffloadingWorker | None = None
@@ -43,7 +45,9 @@ class WorkerSide:
         layout = build_layout(kv_caches, self._kv_cache_config)
         tiers = self._config.tiers
         per_block = host_block_bytes(self._kv_cache_config, tiers.blocks_per_offload_block)
-        self.worker = build_worker(tiers, layout, per_block)
+        identity = kv_identity(self._vllm_config, self._kv_cache_config, tiers.blocks_per_offload_block)
+        rank = self._vllm_config.parallel_config.rank
+        self.worker = build_worker(tiers, layout, per_block, identity, rank)
         num_blocks = tiers.num_host_blocks(per_block)
         logger.info(
             "kvoffload: %d host blocks (%.1f MiB) for %s", num_blocks, num_blocks * per_block / 2**20, layout
@@ -59,6 +63,7 @@ class WorkerSide:
             self._held[req_id] = set(jobs)
         self._submit(plan.loads)
         self._step_loads = [job.job_id for job in plan.loads]
+        self._submit(plan.transfers)  # between tiers: no device block, no hurry
 
     def start_stores(self, plan: StepPlan) -> None:
         self._submit(plan.stores)
@@ -69,7 +74,7 @@ class WorkerSide:
             self._jobs[job.job_id] = job
             try:
                 self.worker.submit(job.job_id, job.src_spec, job.dst_spec)
-            except ValueError as exc:  # a bad spec fails the job; it must not stop the engine
+            except (ValueError, TypeError) as exc:  # a bad job fails; it must not stop the engine
                 logger.error("kvoffload: job %d rejected: %s", job.job_id, exc)
                 self._finish(job.job_id, False)
 
@@ -78,6 +83,8 @@ class WorkerSide:
         if job is None:
             return None
         self._finished[job_id] = (1, success)
+        if not job.req_id:
+            return None  # a transfer between tiers: no request waits on it
         if not job.is_store and not success:
             self._load_errors.update(int(b) for b in job.dst_spec.block_ids)
         return job.req_id, job.is_store
@@ -101,6 +108,11 @@ class WorkerSide:
         for req in sending:
             del self._held[req]
         return sending, recving
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Block until every job submitted so far has finished (for tests and shutdown)."""
+        if self.worker is not None:
+            self.worker.wait(list(self._jobs), timeout)
 
     def build_worker_meta(self) -> KVOffloadWorkerMetadata | None:
         if not self._finished:

@@ -1,0 +1,110 @@
+"""Secondary tier types: what a ``secondary_tiers`` entry names and how it is built.
+
+Configuration has vLLM 0.32's shape: ``secondary_tiers: [{"type": "fs", "root_dir": ...,
+"bytes_to_use": ...}, ...]``. ``type`` is a registered name (``"fs"``) or, for a tier
+outside kvoffload, ``"package.module:ClassName"`` naming a ``SecondaryTierType`` subclass.
+
+A ``SecondaryTierType`` does three things, each from the validated options it parsed:
+
+* ``parse(options)`` -> an instance holding the validated settings (``ValueError`` naming
+  the key and the bad value; unknown keys are errors);
+* ``build_manager(context)`` -> the scheduler-side ``OffloadingManager`` (index in memory);
+* ``build_worker(context, host_pool)`` -> the worker-side ``OffloadingWorker`` moving blocks
+  between the host pool and the tier.
+
+``TierContext`` tells a tier what it stores: the payload bytes of one offloaded block and
+the identity of those bytes (model, dtype, KV layout, block size, group specs, hash seed),
+from which a tier derives the namespace that keeps engines with other layouts apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.manager import OffloadingManager
+from kvoffload.worker import OffloadingWorker
+
+if TYPE_CHECKING:
+    from kvoffload.transfer.host_pool import HostBlockPool
+
+# name -> "module:Class", imported on use so that a tier's dependencies load only when used
+_BUILTIN = {"fs": "kvoffload.tiers.fs.tier:FSTierType"}
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a secondary tier stores: ``block_bytes`` of payload per offloaded block, whose
+    meaning ``identity`` describes (JSON-serialisable); ``rank`` is the worker's rank."""
+
+    block_bytes: int
+    identity: Mapping[str, Any] = field(default_factory=dict)
+    rank: int = 0
+
+    def namespace(self) -> str:
+        """A short name that changes whenever anything in ``identity`` does."""
+        text = json.dumps(self.identity, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class SecondaryTierType(ABC):
+    """One configured secondary tier (see the module docstring)."""
+
+    type_name: str = ""
+
+    @classmethod
+    @abstractmethod
+    def parse(cls, options: Mapping[str, Any]) -> SecondaryTierType:
+        """Validate ``options`` (the entry without ``type``)."""
+
+    @abstractmethod
+    def build_manager(self, context: TierContext, eviction_policy: str) -> OffloadingManager:
+        """The scheduler-side manager of this tier."""
+
+    @abstractmethod
+    def build_worker(self, context: TierContext, host_pool: HostBlockPool) -> OffloadingWorker:
+        """The worker that moves blocks between ``host_pool`` and this tier."""
+
+
+def tier_type(name: str) -> type[SecondaryTierType]:
+    """The tier class for a registered name or a ``package.module:ClassName`` path."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"secondary tier type must be a name or 'module:Class', got {name!r}")
+    path = _BUILTIN.get(name, name)
+    if ":" not in path:
+        raise ValueError(
+            f"unknown secondary tier type {name!r}; known: {', '.join(sorted(_BUILTIN))} "
+            "(or give 'package.module:ClassName')"
+        )
+    module_name, _, attr = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import secondary tier type {name!r}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, SecondaryTierType)):
+        raise ValueError(f"secondary tier type {name!r} is not a SecondaryTierType subclass")
+    return cls
+
+
+def parse_secondary_tiers(entries: Any) -> tuple[SecondaryTierType, ...]:
+    """Validate a ``secondary_tiers`` list; errors name the entry, the key and the value."""
+    if not isinstance(entries, (list, tuple)):
+        raise ValueError(f"secondary_tiers must be a list of tier settings, got {entries!r}")
+    tiers = []
+    for i, entry in enumerate(entries):
+        where = f"secondary_tiers[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where} must be a dict with a 'type', got {entry!r}")
+        if "type" not in entry:
+            raise ValueError(f"{where} has no 'type' (e.g. 'fs')")
+        options = {k: v for k, v in entry.items() if k != "type"}
+        try:
+            tiers.append(tier_type(entry["type"]).parse(options))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    return tuple(tiers)

@@ -1,0 +1,71 @@
+"""The scheduler over a tiered manager: transfers between tiers ride in the step plan,
+their outcomes reach the manager, and a prefix below the CPU tier is promoted in one batch
+and then loaded as usual."""
+
+from __future__ import annotations
+
+from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
+from kvoffload.tiers.tiered import TieredOffloadingManager
+from shelf_tier import Shelf
+from test_scheduler import Req, run_prefill
+
+
+def make(cpu=4, shelf=16):
+    primary = CPUOffloadingManager(cpu, "lru", enable_events=True)
+    secondary = Shelf(shelf, "lru", enable_events=True)
+    tiered = TieredOffloadingManager(primary, [secondary])
+    return primary, secondary, OffloadingScheduler(tiered, [KVGroup(4)], hash_block_size=4)
+
+
+def complete(sched, jobs, success=True):
+    sched.complete_jobs([(job.job_id, success) for job in jobs])
+
+
+def test_stores_are_written_through_in_the_next_plan():
+    primary, secondary, sched = make()
+    run_prefill(sched, Req("a", list(range(9))), [[10, 11, 12]])  # two full blocks stored
+    plan = sched.build_step([])
+    (write,) = plan.transfers
+    assert write.req_id == "" and (write.src_spec.medium, write.dst_spec.medium) == ("CPU", "SHELF")
+    assert plan.loads == [] and plan.stores == []
+    complete(sched, [write])
+    assert secondary.stats().used == 2 and secondary.stats().in_flight == 0
+    assert primary.stats().pinned == 0
+    assert sched.build_step([]).transfers == []
+
+
+def test_a_prefix_evicted_from_the_cpu_tier_is_promoted_in_one_batch_then_loaded():
+    primary, secondary, sched = make(cpu=3)
+    a = Req("a", list(range(13)))  # three full blocks
+    run_prefill(sched, a, [[1, 2, 3, 4]])
+    complete(sched, sched.build_step([]).transfers)
+    b = Req("b", list(range(100, 113)))
+    run_prefill(sched, b, [[5, 6, 7, 8]])  # evicts a's blocks from the CPU tier
+    complete(sched, sched.build_step([]).transfers)
+    again = Req("a2", list(range(13)))
+    assert sched.match(again, 0) is None  # below the CPU tier: ask again
+    (promotion,) = sched.build_step([]).transfers
+    assert (promotion.src_spec.medium, promotion.dst_spec.medium) == ("SHELF", "CPU")
+    assert len(promotion.dst_spec.block_ids) == 3  # the whole prefix in one transfer
+    assert sched.match(again, 0) is None  # still being copied
+    complete(sched, [promotion])
+    assert sched.match(again, 0) == 12
+    sched.on_allocated("a2", [[20, 21, 22, 23]], 12)
+    (load,) = sched.build_step([StepRequest("a2", None, 13)]).loads
+    assert load.dst_spec.block_ids.tolist() == [20, 21, 22]
+    complete(sched, [load])
+    assert sched.stats.blocks_loaded == 3
+
+
+def test_a_failed_promotion_is_a_miss_afterwards():
+    primary, secondary, sched = make(cpu=1)
+    run_prefill(sched, Req("a", list(range(5))), [[1, 2]])
+    complete(sched, sched.build_step([]).transfers)
+    run_prefill(sched, Req("b", list(range(50, 55))), [[3, 4]])
+    complete(sched, sched.build_step([]).transfers)
+    again = Req("a2", list(range(5)))
+    assert sched.match(again, 0) is None
+    complete(sched, sched.build_step([]).transfers, success=False)  # e.g. a bad checksum
+    assert sched.stats.failed_tier_transfers == 1
+    assert sched.match(again, 0) == 0  # dropped below, not in the CPU tier: recompute

@@ -1,0 +1,94 @@
+"""End to end on a real vLLM engine with a secondary tier under the CPU tier.
+
+The tier is the test's own "shelf" (``tests/shelf_tier.py``, loaded the way an
+out-of-tree tier is, by ``package.module:ClassName``): it keeps blocks as bytes, so these
+tests check the tiering path itself (write-through, promotion, the scheduler and the
+worker routing) on the real engine, independent of any storage medium.
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+pytest.importorskip("vllm")
+from kvoffload.demo.offline import (  # noqa: E402
+    close_llm,
+    kv_block_bytes,
+    make_llm,
+    scheduler_connector,
+    settle,
+    word_text,
+)
+from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
+from shelf_tier import ShelfTierType  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PROMPT = 2000  # tokens (one character each): 62 full blocks of 32 are offloaded
+OFFLOADED = 62 * 32
+
+
+def generate(llm, text):
+    from vllm import SamplingParams
+
+    out = llm.generate([text], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    model = str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+    # The CPU tier holds 70 blocks: the second prompt's 62 evict most of the first one's.
+    extra = {
+        "cpu_bytes_to_use": 70 * kv_block_bytes(model),
+        "secondary_tiers": [{"type": "shelf_tier:ShelfTierType", "blocks": 512}],
+    }
+    engine = make_llm(model, kvoffload=extra)
+    try:
+        yield engine
+    finally:
+        close_llm(engine)
+
+
+def test_a_prefix_evicted_from_the_cpu_tier_comes_back_from_the_secondary(llm):
+    first, second = word_text(21, PROMPT), word_text(22, PROMPT)
+    expected, cached = generate(llm, first)
+    assert cached == 0
+    settle(llm)
+    assert generate(llm, second)[1] == 0
+    settle(llm)  # write-through of the second prompt's blocks
+    settle(llm)
+    shelf = ShelfTierType.last_worker
+    assert len(shelf.shelf) == 124  # every block of both prompts reached the shelf
+    stats = scheduler_connector(llm).offload_stats().snapshot()
+    tiers = scheduler_connector(llm)._scheduler.manager.tier_stats()
+    assert (tiers[0].used, tiers[1].used) == (70, 124)
+    assert llm.reset_prefix_cache()  # the engine's own cache: the prefix must come from kvoffload
+    assert generate(llm, first) == (expected, OFFLOADED)
+    after = scheduler_connector(llm).offload_stats()
+    assert after.blocks_loaded - stats.blocks_loaded == 62
+    assert after.failed_tier_transfers == 0
+
+
+def test_a_failed_read_below_is_recomputed_and_the_block_dropped(llm):
+    first, second = word_text(31, PROMPT), word_text(32, PROMPT)
+    expected, _ = generate(llm, first)
+    settle(llm)
+    generate(llm, second)
+    settle(llm)
+    settle(llm)
+    shelf = ShelfTierType.last_worker
+    shelf.fail_reads = True
+    try:
+        assert llm.reset_prefix_cache()
+        before = scheduler_connector(llm).offload_stats().failed_tier_transfers
+        # The first blocks of the prompt were evicted from the CPU tier; their promotion
+        # fails, they are dropped below, and the engine computes the prompt itself.
+        assert generate(llm, first) == (expected, 0)
+        assert scheduler_connector(llm).offload_stats().failed_tier_transfers == before + 1
+    finally:
+        shelf.fail_reads = False
