@@ -167,6 +167,8 @@ def test_finishing_before_the_load_is_sent_releases_its_pins():
     assert manager.stats().pinned == 3
     must_hold = sched.request_finished("b")
     assert manager.stats().pinned == 0
+    # cancelled, not failed: nothing was handed to the engine and nothing went wrong
+    assert (sched.stats.tokens_loaded, sched.stats.failed_loads, sched.stats.blocks_loaded) == (0, 0, 0)
     assert must_hold is False  # its only job was dropped: no device blocks to hold
     plan = sched.build_step([])
     assert plan.loads == [] and plan.hold_blocks == {} and plan.flush == {}

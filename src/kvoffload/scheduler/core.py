@@ -47,7 +47,9 @@ from kvoffload.validation import positive_int
 
 @dataclass
 class SchedulerStats(Counters):
-    """Counters since creation: tokens handed to the engine from the tier, blocks moved."""
+    """Counters since creation: tokens handed to the engine from the tier (loads sent to
+    the worker, failed ones included; a load cancelled before it was sent is not counted),
+    blocks moved, failures."""
 
     tokens_loaded: int = 0
     blocks_loaded: int = 0
@@ -63,6 +65,7 @@ class _Job:
     is_store: bool
     keys: list[OffloadKey]
     token: int | None = None  # the manager's TierTransfer token
+    tokens: int = 0  # a load: the tokens it hands to the engine
 
 
 @dataclass
@@ -190,6 +193,7 @@ class OffloadingScheduler:
         host_spec = self.manager.prepare_load(keys)
         self.stats.tokens_loaded += num_external_tokens
         job = self._new_job(req_id, False, keys)
+        self._jobs[job].tokens = num_external_tokens
         self._pending_loads.append(
             TransferJob(job, req_id, False, host_spec, DeviceLoadStoreSpec(device_ids, sizes, indices))
         )
@@ -305,10 +309,14 @@ class OffloadingScheduler:
         state = self._requests.get(req_id)
         if state is None:
             return False
-        # A load planned but not yet sent will never run: release its pins now.
+        # A load planned but not yet sent will never run: release its pins now. It is
+        # cancelled, not failed: nothing was loaded and nothing went wrong.
         for load in [job for job in self._pending_loads if job.req_id == req_id]:
             self._pending_loads.remove(load)
-            self.complete_jobs([(load.job_id, False)])
+            job = self._jobs.pop(load.job_id)
+            self.manager.complete_load(job.keys)
+            self.stats.tokens_loaded -= job.tokens
+            state.jobs.discard(load.job_id)
         if not state.jobs:
             del self._requests[req_id]
             return False
