@@ -5,6 +5,7 @@ and then loaded as usual."""
 from __future__ import annotations
 
 from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.events.types import BlockRemoved, BlockStored
 from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
 from kvoffload.tiers.tiered import TieredOffloadingManager
 from shelf_tier import Shelf
@@ -69,3 +70,37 @@ def test_a_failed_promotion_is_a_miss_afterwards():
     complete(sched, sched.build_step([]).transfers, success=False)  # e.g. a bad checksum
     assert sched.stats.failed_tier_transfers == 1
     assert sched.match(again, 0) == 0  # dropped below, not in the CPU tier: recompute
+
+
+class DiskShelf(Shelf):
+    medium = "DISK"  # the local-disk tier's medium: its wire events say STORAGE, LOCAL, fs
+
+
+def test_secondary_tier_events_are_self_described_with_vllm_storage_fields():
+    primary = CPUOffloadingManager(2, "lru", enable_events=True)
+    disk = DiskShelf(8, "lru", enable_events=True)
+    sched = OffloadingScheduler(TieredOffloadingManager(primary, [disk]), [KVGroup(4)], hash_block_size=4)
+    a = Req("a", list(range(9)))
+    run_prefill(sched, a, [[1, 2, 3]])
+    (cpu_stored,) = sched.take_events()
+    assert (cpu_stored.medium, cpu_stored.locality, cpu_stored.ownership) == ("CPU", None, None)
+    complete(sched, sched.build_step([]).transfers)
+    (disk_stored,) = sched.take_events()
+    assert isinstance(disk_stored, BlockStored)
+    assert (disk_stored.medium, disk_stored.locality, disk_stored.ownership) == ("STORAGE", "LOCAL", "fs")
+    # the same self-describing content as the CPU tier's announcement
+    assert disk_stored.token_ids == list(range(8)) == cpu_stored.token_ids
+    assert disk_stored.block_hashes == cpu_stored.block_hashes and disk_stored.block_size == 4
+    # evicted from the CPU tier, then promoted back: its record went with the CPU copy,
+    # so the promoted block is announced in the placeholder form
+    run_prefill(sched, Req("b", list(range(50, 59))), [[4, 5, 6]])
+    complete(sched, sched.build_step([]).transfers)
+    sched.take_events()
+    assert sched.match(Req("a2", list(range(9))), 0) is None
+    complete(sched, sched.build_step([]).transfers)
+    events = sched.take_events()
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    (promoted,) = [e for e in events if isinstance(e, BlockStored)]
+    assert {e.medium for e in removed} == {"CPU"}  # room made for the promotion
+    assert promoted.medium == "CPU" and promoted.block_hashes == cpu_stored.block_hashes
+    assert (promoted.token_ids, promoted.block_size, promoted.parent_block_hash) == ([], 0, None)

@@ -12,6 +12,13 @@ records that (``remember``) when it reserves the store, and this converter fills
   vLLM's own offloading form: ``block_size=0``, no tokens, no parent.
 * ``BlockRemoved`` for every eviction, one event per group.
 * ``AllBlocksCleared`` when the scheduler resets the tier.
+
+Tiers: a record stays while its key is in the primary (CPU) tier, so the secondary tiers
+it is written through to (which copy it while the primary holds it pinned) announce it
+self-described too; it is dropped when the primary drops the key. A key announced with no
+record (e.g. a block promoted from below after a restart) gets the placeholder form.
+Secondary media go on the wire as vLLM 0.32 names them (``WIRE_TIERS``): the local-disk
+tier is ``medium="STORAGE"``, ``locality="LOCAL"``, ``ownership="fs"``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ from kvoffload.scheduler.types import KVGroup
 
 EVENT_MODES = ("self_describing", "placeholder")
 
+# tier medium -> (wire medium, locality, ownership); media not listed go out unchanged
+WIRE_TIERS: dict[str, tuple[str, str | None, str | None]] = {
+    "DISK": ("STORAGE", "LOCAL", "fs"),
+}
+
 
 # What a stored key's BlockStored says is kept as a plain tuple (parent block hash or
 # None, the request's token sequence, start, end): one is recorded per stored block on the
@@ -36,11 +48,16 @@ class EventConverter:
     """Turns tier events into wire events, using what the scheduler remembered per key."""
 
     def __init__(
-        self, groups: Sequence[KVGroup], blocks_per_offload_block: int, mode: str = "self_describing"
+        self,
+        groups: Sequence[KVGroup],
+        blocks_per_offload_block: int,
+        mode: str = "self_describing",
+        primary_medium: str = "CPU",
     ):
         if mode not in EVENT_MODES:
             raise ValueError(f"kv_events must be one of {EVENT_MODES}, got {mode!r}")
         self.mode = mode
+        self.primary_medium = primary_medium
         self._groups = list(groups)
         self._factor = blocks_per_offload_block
         self._pending: dict[OffloadKey, tuple[bytes | None, Sequence[int], int, int]] = {}
@@ -73,12 +90,17 @@ class EventConverter:
         return AllBlocksCleared()
 
     def _removed(self, event: OffloadingEvent) -> list[BlockRemoved]:
+        if event.medium == self.primary_medium:
+            pending = self._pending
+            for key in event.keys:
+                pending.pop(key, None)
+        medium, locality, ownership = WIRE_TIERS.get(event.medium, (event.medium, None, None))
         by_group: dict[int, list[int]] = {}
         for key in event.keys:
             group, block_hash = _split(key)
             by_group.setdefault(group, []).append(external_hash(block_hash))
         return [
-            BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group)
+            BlockRemoved(hashes, medium, group_idx=group, locality=locality, ownership=ownership)
             for group, hashes in by_group.items()
         ]
 
@@ -86,24 +108,45 @@ class EventConverter:
         out: list[BlockStored] = []
         run: list[tuple[bytes, tuple]] = []
         run_group = -1
+        pending = self._pending
+        wire = WIRE_TIERS.get(event.medium, (event.medium, None, None))
         for key in event.keys:
             group, block_hash = _split(key)
-            info = self._pending.pop(key, _UNKNOWN)
-            chained = run and group == run_group and info[0] == run[-1][0]
+            info = pending.get(key, _UNKNOWN)
+            # a run continues with the next block of a chain (its parent is the previous
+            # block), or with another block of no record (announced as placeholders)
+            if info is _UNKNOWN:
+                chained = run and group == run_group and run[-1][1] is _UNKNOWN
+            else:
+                chained = run and group == run_group and info[0] == run[-1][0]
             if run and not chained:
-                out.append(self._stored_event(run, run_group, event.medium))
+                out.append(self._stored_event(run, run_group, wire))
                 run = []
             run.append((block_hash, info))
             run_group = group
         if run:
-            out.append(self._stored_event(run, run_group, event.medium))
+            out.append(self._stored_event(run, run_group, wire))
         return out
 
-    def _stored_event(self, run: list[tuple[bytes, tuple]], group: int, medium: str) -> BlockStored:
+    def _stored_event(
+        self, run: list[tuple[bytes, tuple]], group: int, wire: tuple[str, str | None, str | None]
+    ) -> BlockStored:
+        medium, locality, ownership = wire
         spec = self._groups[group] if group < len(self._groups) else None
         hashes = [external_hash(h) for h, _ in run]
-        if self.mode == "placeholder" or spec is None:
-            return BlockStored(hashes, None, [], 0, None, medium, None, group_idx=group)
+        if self.mode == "placeholder" or spec is None or run[0][1] is _UNKNOWN:
+            return BlockStored(
+                hashes,
+                None,
+                [],
+                0,
+                None,
+                medium,
+                None,
+                group_idx=group,
+                locality=locality,
+                ownership=ownership,
+            )
         first_parent = run[0][1][0]
         tokens = [t for _, info in run for t in info[1][info[2] : info[3]]]
         return BlockStored(
@@ -117,6 +160,8 @@ class EventConverter:
             group_idx=group,
             kv_cache_spec_kind=spec.kind,
             kv_cache_spec_sliding_window=spec.sliding_window,
+            locality=locality,
+            ownership=ownership,
         )
 
 
