@@ -106,14 +106,3 @@ def test_bad_secondary_tiers_name_the_entry_key_and_value(entries, message):
 
     with pytest.raises(ValueError, match=message):
         parse_secondary_tiers(entries)
-
-
-def test_namespace_changes_with_anything_that_changes_the_bytes():
-    from kvoffload.tiers.secondary import TierContext
-
-    base = {"model": "m", "cache_dtype": "auto", "groups": ["a"], "page_bytes": [4096]}
-    names = {TierContext(1, base).namespace()}
-    for key, value in (("model", "m2"), ("cache_dtype", "fp8"), ("groups", ["b"]), ("page_bytes", [2048])):
-        names.add(TierContext(1, {**base, key: value}).namespace())
-    assert len(names) == 5
-    assert TierContext(1, dict(reversed(list(base.items())))).namespace() == TierContext(1, base).namespace()

@@ -13,15 +13,14 @@ A ``SecondaryTierType`` does three things, each from the validated options it pa
   between the host pool and the tier.
 
 ``TierContext`` tells a tier what it stores: the payload bytes of one offloaded block and
-the identity of those bytes (model, dtype, KV layout, block size, group specs, hash seed),
-from which a tier derives the namespace that keeps engines with other layouts apart.
+the identity of those bytes (model, dtype, KV layout, block size, group specs, hash seed;
+JSON-serialisable), from which a tier derives the namespace that keeps engines with other
+layouts apart (e.g. ``kvoffload.tiers.fs.namespace.fs_namespace``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,11 +44,6 @@ class TierContext:
     block_bytes: int
     identity: Mapping[str, Any] = field(default_factory=dict)
     rank: int = 0
-
-    def namespace(self) -> str:
-        """A short name that changes whenever anything in ``identity`` does."""
-        text = json.dumps(self.identity, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class SecondaryTierType(ABC):

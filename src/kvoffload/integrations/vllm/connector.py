@@ -83,6 +83,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.manager.close()  # e.g. the disk tier's lock on its namespace
 
     # -- scheduler role ------------------------------------------------------------------
 
