@@ -9,7 +9,7 @@ import pytest
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import make_offload_key
 from kvoffload.manager import LookupResult, OffloadingEvent
-from kvoffload.tiers.tiered import TieredOffloadingManager
+from kvoffload.tiers.tiered import DECLINE_STEPS, TieredOffloadingManager
 from shelf_tier import Shelf
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
@@ -81,7 +81,8 @@ def test_a_key_evicted_from_the_primary_is_promoted_back_then_hits():
     assert [tiered.lookup(k) for k in keys(1, 2)] == [HIT, HIT]
     assert [secondary.state(k) for k in keys(1, 2)] == [0, 0]
     events = tiered.take_events()
-    assert OffloadingEvent(keys(3, 4), "CPU", True) in events  # room made for the promotion
+    # room made for the promotion (in the order the policy evicts)
+    assert [set(e.keys) for e in events if e.removed] == [set(keys(3, 4))]
     assert OffloadingEvent(keys(1, 2), "CPU", False) in events
 
 
@@ -107,7 +108,33 @@ def test_no_promotion_when_the_primary_cannot_make_room():
     primary.prepare_load(keys(2))  # the only primary block is pinned by a load
     assert tiered.lookup(keys(1)[0]) is PENDING
     assert tiered.take_transfers() == []
-    assert secondary.state(keys(1)[0]) == 0  # nothing pinned, asked again later
+    assert secondary.state(keys(1)[0]) == 0  # nothing pinned below
+    # declined: a miss for a while, so the request goes on without it instead of waiting
+    for _ in range(DECLINE_STEPS - 1):
+        assert tiered.lookup(keys(1)[0]) is MISS
+        assert tiered.take_transfers() == []
+    assert tiered.lookup(keys(1)[0]) is MISS
+    tiered.take_transfers()
+    assert tiered.lookup(keys(1)[0]) is PENDING  # then asked again
+
+
+def test_a_prefix_longer_than_the_primary_is_promoted_as_far_as_it_fits():
+    primary, secondary, tiered = make(cpu=2)
+    for k in range(1, 5):
+        store(tiered, keys(k))
+        finish(tiered, tiered.take_transfers())
+    store(tiered, keys(9, 10))  # the primary now holds only 9 and 10
+    finish(tiered, tiered.take_transfers())
+    assert [tiered.lookup(k) for k in keys(1, 2, 3, 4)] == [PENDING] * 4
+    (promotion,) = tiered.take_transfers()
+    assert len(promotion.dst_spec.block_ids) == 2  # the leading two fit
+    assert [tiered.lookup(k) for k in keys(1, 2, 3, 4)] == [PENDING, PENDING, MISS, MISS]
+    finish(tiered, [promotion])
+    # the request finds its leading two and computes the rest; asking for 3 and 4 does
+    # not promote them over the two it is about to load
+    assert [tiered.lookup(k) for k in keys(1, 2, 3, 4)] == [HIT, HIT, MISS, MISS]
+    assert tiered.take_transfers() == []
+    assert [primary.state(k) for k in keys(1, 2)] == [0, 0]
 
 
 def test_admission_rule_and_a_full_secondary_decline_without_error():

@@ -86,9 +86,10 @@ def test_a_failed_read_below_is_recomputed_and_the_block_dropped(llm):
     try:
         assert llm.reset_prefix_cache()
         before = scheduler_connector(llm).offload_stats().failed_tier_transfers
-        # The first blocks of the prompt were evicted from the CPU tier; their promotion
-        # fails, they are dropped below, and the engine computes the prompt itself.
-        assert generate(llm, first) == (expected, 0)
+        # The CPU tier evicts a prompt's deepest blocks first: it kept the first prompt's
+        # first 8 blocks, and the rest must come from below. Their promotion fails, they
+        # are dropped below, and the engine computes them itself.
+        assert generate(llm, first) == (expected, 8 * 32)
         assert scheduler_connector(llm).offload_stats().failed_tier_transfers == before + 1
     finally:
         shelf.fail_reads = False

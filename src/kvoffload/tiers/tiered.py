@@ -17,15 +17,26 @@ scheduler hands to the worker:
   copies, and the copy runs. On success the block is loadable in the primary (announced by
   the primary's own event) and the next lookup is a ``HIT``; on failure the primary frees
   the slots and the secondary drops the block (``discard``: a failed read is a corrupt or
-  unreadable block, never retried as is).
+  unreadable block, never retried as is). When the primary cannot make room for all the
+  asked keys (a prefix longer than the primary, or a primary full of pinned blocks), the
+  leading part that fits is promoted and the rest is *declined*: a lookup of a declined
+  key answers ``MISS`` for the next ``DECLINE_STEPS`` steps, so the request goes on with
+  what was promoted (the engine computes the rest) instead of waiting for room that may
+  never come, and a later promotion cannot evict the blocks just promoted for it.
 
 Everything here is bookkeeping on the scheduler thread: no I/O, no waiting. Events of
 every tier are passed on with their own medium. ``reset`` drops every tier.
+
+Request hooks (``on_new_request``, ``on_request_finished``) go to every tier, the primary
+first, with the same arguments: ``inserted`` and ``reused`` name the primary's keys (the
+engine stores to and loads from it alone; a block found below is promoted first). A
+request's finish comes after its last store completed, so the write-through that store
+started is already planned: no tier is asked anything for the request afterwards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 from kvoffload.cpu import CPUOffloadingManager
@@ -35,6 +46,7 @@ from kvoffload.manager import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    RequestContext,
     TierStats,
     TierTransfer,
 )
@@ -43,6 +55,11 @@ from kvoffload.specs import LoadStoreSpec
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.PENDING
+
+# Steps (``take_transfers`` calls) a key whose promotion found no room stays a miss: long
+# enough for the request that asked to load what was promoted, short enough that the key
+# is tried again once the primary has room.
+DECLINE_STEPS = 16
 
 Admit = Callable[[OffloadKey], bool]
 
@@ -78,6 +95,8 @@ class TieredOffloadingManager(OffloadingManager):
         self._admit = admit
         self._wanted: dict[OffloadKey, int] = {}  # key -> tier to promote it from
         self._promoting: set[OffloadKey] = set()
+        self._declined: dict[OffloadKey, int] = {}  # key -> step it was declined at
+        self._step = 0
         self._writes: list[tuple[int, PrepareStoreOutput, LoadStoreSpec]] = []
         self._transfers: dict[int, _Transfer] = {}
         self._next_token = 0
@@ -90,6 +109,11 @@ class TieredOffloadingManager(OffloadingManager):
             return result
         if key in self._promoting or key in self._wanted:
             return _PENDING
+        declined = self._declined.get(key)
+        if declined is not None:
+            if self._step - declined < DECLINE_STEPS:
+                return _MISS
+            del self._declined[key]
         for index, tier in enumerate(self.secondaries):
             if tier.lookup(key) is _HIT:
                 self._wanted[key] = index
@@ -133,6 +157,10 @@ class TieredOffloadingManager(OffloadingManager):
     # -- transfers between tiers ---------------------------------------------------------
 
     def take_transfers(self) -> list[TierTransfer]:
+        self._step += 1
+        if self._declined and len(self._declined) > 4096:  # forget the expired ones
+            step = self._step
+            self._declined = {k: d for k, d in self._declined.items() if step - d < DECLINE_STEPS}
         transfers = [self._new_transfer(False, index, out.keys_to_store, cpu, out.store_spec)
                      for index, out, cpu in self._writes]  # fmt: skip
         self._writes = []
@@ -153,9 +181,15 @@ class TieredOffloadingManager(OffloadingManager):
         keys = [key for key in keys if tier.lookup(key) is _HIT and self.primary.state(key) is None]
         if not keys:
             return None
-        out = self.primary.prepare_store(keys)
+        # A leading part the primary can make room for (prepare_store is atomic:
+        # a refusal changes nothing), halving on each refusal.
+        count, out = len(keys), None
+        while count and (out := self.primary.prepare_store(keys[:count])) is None:
+            count //= 2
+        for key in keys[count:]:
+            self._declined[key] = self._step
         if out is None or not out.keys_to_store:
-            return None  # no room in the primary now; a later lookup asks again
+            return None
         source = tier.prepare_load(out.keys_to_store)
         self._promoting.update(out.keys_to_store)
         return self._new_transfer(True, index, out.keys_to_store, source, out.store_spec)
@@ -187,6 +221,22 @@ class TieredOffloadingManager(OffloadingManager):
     def transfers_in_flight(self) -> int:
         return len(self._transfers)
 
+    # -- request hooks: every tier -------------------------------------------------------
+
+    def on_new_request(self, request: RequestContext) -> None:
+        for tier in (self.primary, *self.secondaries):
+            tier.on_new_request(request)
+
+    def on_request_finished(
+        self,
+        request: RequestContext,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        inserted: Set[OffloadKey],
+        reused: Set[OffloadKey],
+    ) -> None:
+        for tier in (self.primary, *self.secondaries):
+            tier.on_request_finished(request, key_groups, inserted, reused)
+
     # -- housekeeping --------------------------------------------------------------------
 
     def take_events(self) -> list[OffloadingEvent]:
@@ -203,6 +253,7 @@ class TieredOffloadingManager(OffloadingManager):
             tier.reset()
         self._wanted.clear()
         self._promoting.clear()
+        self._declined.clear()
         self._writes.clear()
         self._transfers.clear()
 

@@ -1,0 +1,194 @@
+"""Writing and reading one block of the disk tier: the crash-safe protocol.
+
+``BlockFiles(ns_dir, geometry, digest)`` opens ``slots.dat`` and ``headers.dat`` of a
+namespace (created if missing; sparse, grown on demand) and moves one block at a time
+between them and caller-owned buffers (the host pool's rows), without a copy:
+
+* ``write(slot, key, buffers)``: CRC32C over ``buffers``; zero the slot's header record;
+  ``pwritev`` the payload at the slot; write the new record (with ``fsync=True``, each
+  step is made durable before the next). A process killed anywhere in between leaves
+  an empty slot, never a valid record over a torn payload. ``write_run`` does the same
+  for consecutive slots with three writes in all (and more ``pwritev`` calls only past
+  ``IOV_MAX`` buffers): the workers batch a job's runs of consecutive slots.
+* ``read(slot, key, buffers)``: read and check the record (magic, version, record CRC,
+  namespace digest, the expected key, payload length), ``preadv`` the payload straight
+  into ``buffers``, check its CRC. Any mismatch raises ``CorruptBlock`` naming the key
+  and the reason; the caller must then treat ``buffers`` as garbage. ``read_run``: the
+  same for consecutive slots, one record read and one ``preadv`` (per ``IOV_MAX``).
+* ``invalidate(slot)``: zero the record (the block is gone; its bytes are overwritten
+  when the slot is reused).
+
+``OSError`` (``ENOSPC``, ``EIO``, ``EROFS``, ...) propagates to the caller, which counts it.
+Thread-safe for distinct slots (positional I/O on shared descriptors).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from kvoffload.tiers.fs.format import (
+    DATA_FILE,
+    EMPTY_RECORD,
+    HEADER_FILE,
+    RECORD_BYTES,
+    Geometry,
+    RecordError,
+    checksum,
+    pack_record,
+    parse_record,
+)
+
+
+class CorruptBlock(Exception):
+    """A block that cannot be served: its record or payload does not check out."""
+
+    def __init__(self, key: bytes, slot: int, reason: str) -> None:
+        super().__init__(f"key {key.hex()} in slot {slot}: {reason}")
+        self.key = key
+        self.slot = slot
+        self.reason = reason
+
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def _groups(views: list[memoryview]):
+    """``views`` cut into runs of at most ``IOV_MAX`` buffers, with each run's length."""
+    for start in range(0, len(views), IOV_MAX):
+        group = views[start : start + IOV_MAX]
+        yield group, sum(len(v) for v in group)
+
+
+def _pwritev_all(fd: int, buffers: Sequence, offset: int) -> None:
+    for group, length in _groups([memoryview(b).cast("B") for b in buffers]):
+        end = offset + length
+        while group:
+            written = os.pwritev(fd, group, offset)
+            offset += written
+            while group and written >= len(group[0]):
+                written -= len(group[0])
+                group.pop(0)
+            if group and written:
+                group[0] = group[0][written:]
+        offset = end
+
+
+def _preadv_all(fd: int, buffers: Sequence, offset: int) -> int:
+    """Read until ``buffers`` are full or end of file; the bytes read."""
+    total = 0
+    for group, length in _groups([memoryview(b).cast("B") for b in buffers]):
+        end = offset + length
+        while group:
+            got = os.preadv(fd, group, offset)
+            if got == 0:
+                return total
+            total += got
+            offset += got
+            while group and got >= len(group[0]):
+                got -= len(group[0])
+                group.pop(0)
+            if group and got:
+                group[0] = group[0][got:]
+        offset = end
+    return total
+
+
+class BlockFiles:
+    """The two files of one namespace, open for positional reads and writes."""
+
+    def __init__(self, ns_dir: str, geometry: Geometry, digest: bytes, fsync: bool = False) -> None:
+        self.geometry = geometry
+        self.digest = digest
+        self.fsync = fsync
+        gap = geometry.slot_stride - geometry.payload_bytes
+        self._zeros = memoryview(bytes(gap))  # written into the padding between slots of a run
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        self.data_fd = os.open(os.path.join(ns_dir, DATA_FILE), flags, 0o644)
+        try:
+            self.header_fd = os.open(os.path.join(ns_dir, HEADER_FILE), flags, 0o644)
+        except OSError:
+            os.close(self.data_fd)
+            raise
+
+    def write(self, slot: int, key: bytes, buffers: Sequence) -> None:
+        self.write_run(slot, [key], [buffers])
+
+    def write_run(self, first: int, keys: Sequence[bytes], blocks: Sequence[Sequence]) -> None:
+        """Write ``blocks[i]`` (its buffers) under ``keys[i]`` to slot ``first + i``: the
+        records of the run zeroed in one write, the payloads in as few ``pwritev`` calls
+        as ``IOV_MAX`` allows (padding written as zeros), then the records in one write."""
+        crcs = [checksum(buffers) for buffers in blocks]
+        record_at = first * RECORD_BYTES
+        os.pwrite(self.header_fd, bytes(RECORD_BYTES * len(keys)), record_at)
+        if self.fsync:
+            os.fdatasync(self.header_fd)
+        _pwritev_all(self.data_fd, self._with_padding(blocks), self.geometry.data_offset(first))
+        if self.fsync:
+            os.fdatasync(self.data_fd)
+        now = time.time_ns()
+        payload = self.geometry.payload_bytes
+        records = b"".join(pack_record(key, payload, crc, now, self.digest) for key, crc in zip(keys, crcs))
+        os.pwrite(self.header_fd, records, record_at)
+        if self.fsync:
+            os.fdatasync(self.header_fd)
+
+    def _with_padding(self, blocks: Sequence[Sequence], scratch: memoryview | None = None) -> list:
+        pad = self._zeros if scratch is None else scratch
+        if not len(pad):
+            return [buf for buffers in blocks for buf in buffers]
+        out = []
+        for buffers in blocks[:-1]:
+            out.extend(buffers)
+            out.append(pad)
+        out.extend(blocks[-1])
+        return out
+
+    def read(self, slot: int, key: bytes, buffers: Sequence) -> None:
+        self.read_run(slot, [key], [buffers])
+
+    def read_run(self, first: int, keys: Sequence[bytes], blocks: Sequence[Sequence]) -> None:
+        """Read slots ``first ..`` into ``blocks[i]`` (its buffers) and check each against
+        ``keys[i]``: the records in one read, the payloads in as few ``preadv`` calls as
+        ``IOV_MAX`` allows. ``CorruptBlock`` names the first block that does not check out
+        (``blocks`` are then garbage)."""
+        n = len(keys)
+        raw = os.pread(self.header_fd, RECORD_BYTES * n, first * RECORD_BYTES)
+        records = []
+        for i, key in enumerate(keys):
+            slot = first + i
+            try:
+                record = parse_record(raw[i * RECORD_BYTES : (i + 1) * RECORD_BYTES])
+            except RecordError as exc:
+                raise CorruptBlock(key, slot, str(exc)) from None
+            if record.digest != self.digest:
+                raise CorruptBlock(key, slot, "written under another namespace")
+            if record.key != key:
+                raise CorruptBlock(key, slot, f"slot holds key {record.key.hex()} instead")
+            if record.payload_len != self.geometry.payload_bytes:
+                expected = self.geometry.payload_bytes
+                raise CorruptBlock(key, slot, f"payload of {record.payload_len} bytes, expected {expected}")
+            records.append(record)
+        gap = self.geometry.slot_stride - self.geometry.payload_bytes
+        scratch = memoryview(bytearray(gap)) if gap and n > 1 else None
+        got = _preadv_all(self.data_fd, self._with_padding(blocks, scratch), self.geometry.data_offset(first))
+        payload = self.geometry.payload_bytes
+        for i, (key, record) in enumerate(zip(keys, records)):
+            have = min(payload, max(0, got - i * self.geometry.slot_stride))
+            if have != payload:
+                raise CorruptBlock(key, first + i, f"truncated: read {have} of {payload} payload bytes")
+            crc = checksum(blocks[i])
+            if crc != record.payload_crc:
+                raise CorruptBlock(
+                    key, first + i, f"checksum mismatch (stored {record.payload_crc:#010x}, read {crc:#010x})"
+                )
+
+    def invalidate(self, slot: int) -> None:
+        os.pwrite(self.header_fd, EMPTY_RECORD, slot * RECORD_BYTES)
+
+    def close(self) -> None:
+        for fd in (self.data_fd, self.header_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.data_fd = self.header_fd = -1

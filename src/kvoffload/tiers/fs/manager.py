@@ -1,0 +1,382 @@
+"""``FSOffloadingManager``: the scheduler-side bookkeeping of the local-disk tier.
+
+It implements ``kvoffload.manager.OffloadingManager`` for medium ``"DISK"`` with the same
+semantics as ``kvoffload.cpu.CPUOffloadingManager`` (see there: slot hand-out order,
+``PENDING`` while in flight, one event per ``prepare_store`` eviction batch and per
+``complete_store``, declines by the policy, ``discard`` of idle keys only), over slots of
+the namespace directory ``<root_dir>/<namespace>`` that ``FSWorker`` reads and writes.
+Specs are ``DiskLoadStoreSpec(slots, keys)``.
+
+* Capacity: ``bytes_to_use // stored_block_bytes`` slots, where a stored block is its
+  payload (``block_bytes``, the host bytes of one offloaded block) padded to 4 KiB plus
+  its header record (``kvoffload.tiers.fs.format``). The worker is built with the same
+  ``block_bytes`` (its host pool's) and ``bytes_to_use``, so both agree on the slots.
+* The index lives in memory (``SlotIndex`` plus an ``int32`` state per slot and the
+  eviction order, ``kvoffload.tiers.fs.order``): with the default LRU about 70 bytes per
+  block. After construction the manager never touches a file.
+* Construction does the only I/O: it creates the namespace directory, takes an exclusive
+  lock on it (a second manager on the same namespace, in any process, is a
+  ``ValueError``; the lock dies with the process), and rebuilds the index from the header
+  file (``kvoffload.tiers.fs.scan``): intact blocks are loadable at once, torn ones are
+  left out (and overwritten when their slot is reused). With events enabled it queues
+  ONE ``removed=False`` event listing the blocks found, so a restarted engine announces
+  them.
+* ``discard(keys)`` drops idle keys that a failed read found corrupt or unreadable (the
+  worker has already invalidated them on disk): misses from then on, one
+  ``removed=True`` event, counted in ``counters().discarded``.
+* ``on_new_request``/``on_request_finished`` are passed on to the eviction order.
+* ``counters()`` adds the tier's own counts to ``stats()``: blocks rebuilt, torn records
+  left out at start-up, duplicates, discards.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import os
+from collections.abc import Iterable, Sequence, Set
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvoffload.counters import Counters
+from kvoffload.keys import OffloadKey
+from kvoffload.manager import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    RequestContext,
+    TierStats,
+)
+from kvoffload.policies import CachePolicy, resolve_policy
+from kvoffload.specs import MEDIUM_DISK, DiskLoadStoreSpec
+from kvoffload.tiers.fs.format import INFO_FILE, LOCK_FILE, MAX_KEY_BYTES, Geometry
+from kvoffload.tiers.fs.index import SlotIndex
+from kvoffload.tiers.fs.namespace import check_namespace, namespace_digest, open_namespace_dir
+from kvoffload.tiers.fs.order import make_order
+from kvoffload.tiers.fs.scan import scan_namespace
+from kvoffload.validation import positive_int
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_PENDING = LookupResult.PENDING
+_FREE = -2  # slot state of a free slot (blocks are -1 in flight, 0 idle, n pinned)
+
+
+@dataclass
+class FSManagerCounters(Counters):
+    rebuilt: int = 0  # blocks found intact at start-up
+    torn_at_start: int = 0  # non-empty header records left out at start-up
+    duplicates_at_start: int = 0  # older copies of a key held by another slot
+    discarded: int = 0  # blocks dropped by discard()
+    evictions: int = 0
+
+
+class FSOffloadingManager(OffloadingManager):
+    """Bookkeeping of the disk tier's slots under ``<root_dir>/<namespace>``."""
+
+    medium = MEDIUM_DISK
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        namespace: str,
+        block_bytes: int,
+        bytes_to_use: int,
+        cache_policy: str | type[CachePolicy] = "lru",
+        enable_events: bool = False,
+        *,
+        max_key_bytes: int = 36,
+        verify_on_start: bool = False,
+        info: str | None = None,
+    ) -> None:
+        """``block_bytes``: payload bytes of one block (the host pool's bytes per host
+        block); ``max_key_bytes``: the longest key (``OffloadKey`` of a 32-byte hash is
+        36); ``verify_on_start``: also check every payload's CRC while rebuilding (a full
+        read); ``info``: text written to ``namespace.json`` for people (e.g.
+        ``namespace.describe(identity)``)."""
+        self.geometry = Geometry(positive_int("block_bytes", block_bytes))
+        self.num_blocks = self.geometry.num_slots(bytes_to_use)
+        self.bytes_to_use = bytes_to_use
+        if not 0 < positive_int("max_key_bytes", max_key_bytes) <= MAX_KEY_BYTES:
+            raise ValueError(f"max_key_bytes must be at most {MAX_KEY_BYTES}, got {max_key_bytes}")
+        policy_cls = resolve_policy(cache_policy)
+        self.namespace = check_namespace(namespace)
+        self.path = open_namespace_dir(root_dir, namespace)
+        self.enable_events = enable_events
+        self._lock_fd = self._lock()
+        n = self.num_blocks
+        self._index = SlotIndex(n, max_key_bytes)
+        self._find = self._index.find
+        self._state_array = np.full(n, _FREE, dtype=np.int32)
+        self._state = memoryview(self._state_array)
+        self.order = make_order(policy_cls, n, self._index, self._state)
+        self._free = array.array("i")  # a stack: last freed first
+        self._next_unused = 0
+        self._events: list[OffloadingEvent] = []
+        self._hits = 0
+        self._misses = 0
+        self._in_flight = 0
+        self._pinned = 0
+        self._counters = FSManagerCounters()
+        if info is not None:
+            with open(os.path.join(self.path, INFO_FILE), "w") as f:
+                f.write(info + "\n")
+        self._rebuild(verify_on_start)
+
+    def _lock(self) -> int:
+        try:
+            fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ValueError(f"root_dir {os.path.dirname(self.path)!r} cannot be written: {exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ValueError(
+                f"namespace {self.path!r} is in use by another disk-tier manager (one per namespace; "
+                "give each engine its own root_dir or close the other first)"
+            ) from None
+        return fd
+
+    def _rebuild(self, verify: bool) -> None:
+        found = scan_namespace(
+            self.path, self.geometry, self.num_blocks, namespace_digest(self.namespace),
+            self._index.max_key_bytes, verify,
+        )  # fmt: skip
+        counters = self._counters
+        counters.torn_at_start = found.torn
+        counters.duplicates_at_start = found.duplicates
+        counters.rebuilt = len(found.slots)
+        if not found.slots:
+            return
+        self._index.insert_many(found.keys, found.slots)
+        self._state_array[found.slots] = 0
+        self.order.insert(found.keys, found.slots)
+        # Free slots: never-used ones above the highest used slot, the holes below it on
+        # the stack so that the lowest is reused first.
+        self._next_unused = max(found.slots) + 1
+        holes = np.flatnonzero(self._state_array[: self._next_unused] == _FREE)
+        self._free.extend(holes[::-1].tolist())
+        if self.enable_events:
+            self._events.append(OffloadingEvent(list(found.keys), self.medium, False))
+
+    # -- lookups ---------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        slot = self._find(key)
+        if slot < 0:
+            self._misses += 1
+            return _MISS
+        if self._state[slot] < 0:
+            return _PENDING
+        self._hits += 1
+        return _HIT
+
+    def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
+        find, state = self._find, self._state
+        count = 0
+        for key in keys:
+            slot = find(key)
+            if slot < 0:
+                self._misses += 1
+                break
+            if state[slot] < 0:
+                break
+            count += 1
+        self._hits += count
+        return count
+
+    def state(self, key: OffloadKey) -> int | None:
+        """The block state of ``key`` (-1 being written, 0 idle, n pinned) or ``None`` if
+        absent; unlike ``lookup`` it counts nothing."""
+        slot = self._find(key)
+        return None if slot < 0 else self._state[slot]
+
+    # -- loads -----------------------------------------------------------------------
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> DiskLoadStoreSpec:
+        find, state = self._find, self._state
+        slots: list[int] = []
+        for key in keys:
+            slot = find(key)
+            if slot < 0 or state[slot] < 0:
+                self._unpin(slots)  # all or nothing
+                what = "absent" if slot < 0 else "still being stored"
+                raise KeyError(f"cannot load key {key.hex()}: it is {what}, not a HIT")
+            if state[slot] == 0:
+                self._pinned += 1
+            state[slot] += 1
+            slots.append(slot)
+        return DiskLoadStoreSpec(slots, list(keys))
+
+    def _unpin(self, slots: list[int]) -> None:
+        state = self._state
+        for slot in slots:
+            state[slot] -= 1
+            if state[slot] == 0:
+                self._pinned -= 1
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        self.order.touch(keys)
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        find, state = self._find, self._state
+        done: list[int] = []
+        for key in keys:
+            slot = find(key)
+            if slot < 0 or state[slot] <= 0:
+                for s in done:  # all or nothing
+                    if state[s] == 0:
+                        self._pinned += 1
+                    state[s] += 1
+                raise KeyError(f"cannot complete load of key {key.hex()}: no load was prepared")
+            state[slot] -= 1
+            if state[slot] == 0:
+                self._pinned -= 1
+            done.append(slot)
+
+    # -- stores ----------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        index, state, order = self._index, self._state, self.order
+        find, check = index.find, index.check_key
+        present: list[int] = []
+        new_keys: list[OffloadKey] = []
+        for key in dict.fromkeys(keys):
+            slot = find(check(key))
+            if slot < 0:
+                new_keys.append(key)
+            else:
+                present.append(slot)
+        if not order.admits_all:
+            new_keys = [key for key in new_keys if order.admit(key)]
+        free = self._free
+        available = self.num_blocks - self._next_unused + len(free)
+        shortfall = len(new_keys) - available
+        evicted: list[OffloadKey] = []
+        if shortfall > 0:
+            if len(new_keys) > self.num_blocks:
+                return None
+            victims = order.evict(shortfall, set(keys), set(present))
+            if victims is None:
+                return None
+            for slot in victims:
+                evicted.append(OffloadKey(index.key_of(slot)))
+                index.remove(slot)
+                state[slot] = _FREE
+                free.append(slot)
+            self._counters.evictions += len(victims)
+            if self.enable_events:
+                self._events.append(OffloadingEvent(evicted, self.medium, True))
+        # Never-used slots first, in increasing order; then freed ones, last freed first.
+        fresh = min(len(new_keys), self.num_blocks - self._next_unused)
+        slots = list(range(self._next_unused, self._next_unused + fresh))
+        self._next_unused += fresh
+        reused = len(new_keys) - fresh
+        if reused:
+            slots.extend(reversed(free[-reused:]))
+            del free[-reused:]
+        for key, slot in zip(new_keys, slots):
+            index.insert(key, slot)
+            state[slot] = -1
+        self._in_flight += len(new_keys)
+        order.insert(new_keys, slots)
+        return PrepareStoreOutput(new_keys, DiskLoadStoreSpec(slots, new_keys), evicted)
+
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        find, state = self._find, self._state
+        done = []
+        for key in keys:
+            slot = find(key)
+            if slot < 0 or state[slot] != -1:
+                continue
+            self._in_flight -= 1
+            if success:
+                state[slot] = 0
+                done.append(key)
+            else:
+                self._drop(key, slot)
+        if done and self.enable_events:
+            self._events.append(OffloadingEvent(done, self.medium, False))
+
+    def _drop(self, key: OffloadKey, slot: int) -> None:
+        self.order.remove(key, slot)
+        self._index.remove(slot)
+        self._state[slot] = _FREE
+        self._free.append(slot)
+
+    def discard(self, keys: Sequence[OffloadKey]) -> None:
+        find, state = self._find, self._state
+        dropped = []
+        for key in dict.fromkeys(keys):
+            slot = find(key)
+            if slot < 0 or state[slot] != 0:
+                continue
+            self._drop(key, slot)
+            dropped.append(key)
+        self._counters.discarded += len(dropped)
+        if dropped and self.enable_events:
+            self._events.append(OffloadingEvent(dropped, self.medium, True))
+
+    # -- housekeeping ----------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset(self) -> None:
+        """Drop every block from the index (the bytes stay on disk until their slots are
+        reused; a restart finds the intact ones again)."""
+        used = np.flatnonzero(self._state_array >= 0)
+        if len(used) and self.enable_events:
+            key_of = self._index.key_of
+            self._events.append(
+                OffloadingEvent([OffloadKey(key_of(s)) for s in used.tolist()], self.medium, True)
+            )
+        self._index.clear()
+        self._state_array.fill(_FREE)
+        self.order.clear()
+        self._next_unused = 0
+        del self._free[:]
+        self._in_flight = 0
+        self._pinned = 0
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            medium=self.medium,
+            capacity=self.num_blocks,
+            used=self._index.size,
+            in_flight=self._in_flight,
+            pinned=self._pinned,
+            hits=self._hits,
+            misses=self._misses,
+            evictions=self._counters.evictions,
+        )
+
+    def counters(self) -> FSManagerCounters:
+        return self._counters.snapshot()
+
+    def on_new_request(self, request: RequestContext) -> None:
+        self.order.on_new_request(request)
+
+    def on_request_finished(
+        self,
+        request: RequestContext,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        inserted: Set[OffloadKey],
+        reused: Set[OffloadKey],
+    ) -> None:
+        self.order.on_request_finished(request, key_groups, inserted, reused)
+
+    def close(self) -> None:
+        """Release the namespace lock; the manager must not be used afterwards."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_lock_fd", -1)
+        if fd >= 0:
+            os.close(fd)

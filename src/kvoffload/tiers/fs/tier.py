@@ -1,0 +1,127 @@
+"""``type: "fs"`` in ``secondary_tiers``: the local-disk tier as a configured tier.
+
+Keys of its entry (errors name the key and the value):
+
+* ``root_dir`` (required): the folder; blocks go to ``<root_dir>/<namespace>``, the
+  namespace derived from what the blocks' bytes mean (``TierContext.identity``) and the
+  worker's rank. It is created if needed and must be writable.
+* ``bytes_to_use`` (required): the most bytes of blocks (headers included) this tier keeps.
+* ``min_free_fraction`` (default 0.05): stores are declined while the file system has less
+  free space than this fraction of its size.
+* ``load_threads``, ``store_threads`` (default 4 each): the worker's I/O threads.
+* ``fsync`` (default false): flush every stored block to the device before it counts as
+  stored (survives power loss, not only a process crash).
+* ``verify_on_start`` (default false): check every block's checksum when rebuilding the
+  index at start-up (a full read), not only its header.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kvoffload.manager import OffloadingManager
+from kvoffload.tiers.fs.namespace import describe, fs_namespace
+from kvoffload.tiers.secondary import SecondaryTierType, TierContext
+from kvoffload.validation import positive_int
+from kvoffload.worker import OffloadingWorker
+
+_KNOWN = ("root_dir", "bytes_to_use", "min_free_fraction", "load_threads", "store_threads", "fsync",
+          "verify_on_start")  # fmt: skip
+
+
+class FSTierType(SecondaryTierType):
+    type_name = "fs"
+
+    def __init__(
+        self,
+        root_dir: str,
+        bytes_to_use: int,
+        min_free_fraction: float = 0.05,
+        load_threads: int = 4,
+        store_threads: int = 4,
+        fsync: bool = False,
+        verify_on_start: bool = False,
+    ) -> None:
+        self.root_dir = root_dir
+        self.bytes_to_use = bytes_to_use
+        self.min_free_fraction = min_free_fraction
+        self.load_threads = load_threads
+        self.store_threads = store_threads
+        self.fsync = fsync
+        self.verify_on_start = verify_on_start
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> FSTierType:
+        unknown = sorted(set(options) - set(_KNOWN))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} for the fs tier; known: {list(_KNOWN)}")
+        for key in ("root_dir", "bytes_to_use"):
+            if key not in options:
+                raise ValueError(f"the fs tier needs {key!r}")
+        root_dir = options["root_dir"]
+        if not isinstance(root_dir, (str, os.PathLike)) or not os.fspath(root_dir):
+            raise ValueError(f"root_dir must be a path, got {root_dir!r}")
+        root_dir = os.fspath(root_dir)
+        try:
+            os.makedirs(root_dir, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"root_dir {root_dir!r} cannot be created: {exc}") from None
+        if not os.access(root_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"root_dir {root_dir!r} is not writable")
+        fraction = options.get("min_free_fraction", 0.05)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+            raise ValueError(f"min_free_fraction must be a number in [0, 1), got {fraction!r}")
+        flags = {}
+        for key in ("fsync", "verify_on_start"):
+            flags[key] = options.get(key, False)
+            if not isinstance(flags[key], bool):
+                raise ValueError(f"{key} must be true or false, got {flags[key]!r}")
+        return cls(
+            root_dir,
+            positive_int("bytes_to_use", options["bytes_to_use"]),
+            float(fraction),
+            positive_int("load_threads", options.get("load_threads", 4)),
+            positive_int("store_threads", options.get("store_threads", 4)),
+            **flags,
+        )
+
+    def _identity(self, context: TierContext) -> dict[str, Any]:
+        return {**context.identity, "rank": context.rank}
+
+    def build_manager(self, context: TierContext, eviction_policy: str) -> OffloadingManager:
+        from kvoffload.tiers.fs.manager import FSOffloadingManager
+
+        identity = self._identity(context)
+        return FSOffloadingManager(
+            self.root_dir,
+            fs_namespace(identity),
+            context.block_bytes,
+            self.bytes_to_use,
+            eviction_policy,
+            enable_events=True,
+            verify_on_start=self.verify_on_start,
+            info=describe(identity),
+        )
+
+    def build_worker(self, context: TierContext, host_pool: Any) -> OffloadingWorker:
+        from kvoffload.tiers.fs.worker import FSWorker
+
+        worker = FSWorker(
+            host_pool,
+            self.root_dir,
+            fs_namespace(self._identity(context)),
+            self.bytes_to_use,
+            load_threads=self.load_threads,
+            store_threads=self.store_threads,
+            min_free_fraction=self.min_free_fraction,
+            fsync=self.fsync,
+        )
+        if worker.block_bytes != context.block_bytes:
+            worker.close()
+            raise ValueError(
+                f"the host pool holds {worker.block_bytes} bytes per block but the tier was sized "
+                f"for {context.block_bytes}"
+            )
+        return worker

@@ -1,0 +1,382 @@
+"""``FSWorker``: moves blocks between the host pool and the local-disk tier.
+
+It is the ``kvoffload.worker.OffloadingWorker`` of routes ``CPU -> DISK`` (a store) and
+``DISK -> CPU`` (a load), a peer of the device<->host ``TransferEngine`` behind a
+``WorkerRouter``:
+
+* store: ``submit(job_id, CPULoadStoreSpec(host_ids), DiskLoadStoreSpec(slots, keys))``
+  writes host block ``host_ids[i]`` (its row in every pool tensor, concatenated in
+  tensor order) to ``slots[i]`` under ``keys[i]``;
+* load: ``submit(job_id, DiskLoadStoreSpec(slots, keys), CPULoadStoreSpec(host_ids))``
+  reads ``slots[i]`` straight into host block ``host_ids[i]``'s rows (``os.preadv`` into
+  the pool's memory) after checking the record and the key, then checks the payload CRC.
+
+Contract, beyond ``kvoffload.worker``:
+
+* ``submit`` validates everything first: ``TypeError`` for another medium pair or spec
+  class; ``ValueError`` naming the bad value (host id or slot out of range, counts that
+  differ, a key too long, a slot written twice or a host block loaded twice in one job, a
+  job id already in flight); ``RuntimeError`` after ``close``.
+* Jobs of one direction run and complete in submission order; the blocks of a job are
+  cut into one contiguous share per thread of that direction's bounded pool
+  (``load_threads``/``store_threads``); within a share, runs of consecutive slots move in
+  one batch each (``BlockFiles.write_run``/``read_run``: three syscalls per run rather
+  than three per block). Loads and stores overlap.
+* A job fails as a whole (``success=False``, ``bytes=0``, ``error`` naming the first
+  failing key or the condition); the caller must not make its blocks loadable. A failed
+  store leaves each slot either empty or intact. A failed load leaves its host rows
+  unspecified; a block whose record, key or CRC does not check out is invalidated on disk
+  and counted (``corrupt_blocks``), so it is never read as good again.
+* Stores are declined (failed, counted as ``floor_declines``) when writing the job's
+  not-yet-allocated slots would leave the file system less free space than the floor:
+  ``max(min_free_bytes, min_free_fraction * file-system size)`` (both 0: no floor, no
+  ``statvfs`` per job). Only stores into slots this process has not written yet count as
+  needing space: rewriting a slot takes none. ``ENOSPC``/``EDQUOT``,
+  ``EIO`` and ``EROFS`` fail the job and are counted; nothing raises out of ``submit`` or
+  ``poll`` for them, and later jobs are tried as usual (the worker recovers when the file
+  system does). ``free_floor`` (bytes, an attribute) may be changed while running.
+* ``counters()`` snapshots ``FSWorkerCounters``. ``close()`` lets queued jobs finish, then
+  closes the files; idempotent.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvoffload.counters import Counters
+from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, CPULoadStoreSpec, DiskLoadStoreSpec, LoadStoreSpec
+from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock
+from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
+from kvoffload.tiers.fs.namespace import namespace_digest, open_namespace_dir
+from kvoffload.validation import positive_int
+from kvoffload.worker import OffloadingWorker, Route, TransferResult
+
+RUN_BYTES = 1 << 20
+STORE = "disk_store"  # host -> disk
+LOAD = "disk_load"  # disk -> host
+_DIRECTIONS: dict[Route, str] = {(MEDIUM_CPU, MEDIUM_DISK): STORE, (MEDIUM_DISK, MEDIUM_CPU): LOAD}
+_ERRNO_COUNTER = {
+    errno.ENOSPC: "no_space",
+    errno.EDQUOT: "no_space",
+    errno.EIO: "io_errors",
+    errno.EROFS: "read_only",
+}
+
+
+@dataclass
+class FSWorkerCounters(Counters):
+    stores: int = 0  # store jobs that succeeded
+    stores_failed: int = 0
+    loads: int = 0
+    loads_failed: int = 0
+    blocks_written: int = 0
+    blocks_read: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    corrupt_blocks: int = 0  # failed their record, key or CRC check on read; invalidated
+    floor_declines: int = 0  # store jobs declined by the free-space floor
+    # block reads/writes that failed with (several blocks of one job may each count):
+    no_space: int = 0  # ENOSPC / EDQUOT
+    io_errors: int = 0  # EIO
+    read_only: int = 0  # EROFS
+    other_errors: int = 0
+
+
+@dataclass
+class _Job:
+    job_id: int
+    store: bool
+    host_ids: list[int]
+    slots: list[int]
+    keys: list[bytes]
+
+
+class _Failed(Exception):
+    """Fails a job with a message; the counter it bumps is already counted."""
+
+
+class FSWorker(OffloadingWorker):
+    """Moves blocks between ``host_pool`` and ``<root_dir>/<namespace>``."""
+
+    routes = frozenset(_DIRECTIONS)
+
+    def __init__(
+        self,
+        host_pool,
+        root_dir: str | os.PathLike,
+        namespace: str,
+        bytes_to_use: int,
+        *,
+        load_threads: int = 4,
+        store_threads: int = 4,
+        min_free_fraction: float = 0.05,
+        min_free_bytes: int = 0,
+        fsync: bool = False,
+    ) -> None:
+        """``host_pool``: a ``kvoffload.transfer.HostBlockPool`` on the CPU (its bytes per
+        host block are the payload; the manager gets the same ``block_bytes``)."""
+        positive_int("load_threads", load_threads)
+        positive_int("store_threads", store_threads)
+        if not isinstance(min_free_fraction, (int, float)) or not 0 <= min_free_fraction < 1:
+            raise ValueError(f"min_free_fraction must be in [0, 1), got {min_free_fraction!r}")
+        if not isinstance(min_free_bytes, int) or isinstance(min_free_bytes, bool) or min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes must be a non-negative int, got {min_free_bytes!r}")
+        self.host_pool = host_pool
+        self._rows = [t.numpy() for t in host_pool.tensors]  # (num_host_blocks, row bytes) views
+        payload = sum(int(r.shape[1]) for r in self._rows)
+        self.geometry = Geometry(payload)
+        self.num_slots = self.geometry.num_slots(bytes_to_use)
+        self.path = open_namespace_dir(root_dir, namespace)
+        try:
+            self.files = BlockFiles(self.path, self.geometry, namespace_digest(namespace), fsync)
+        except OSError as exc:
+            raise ValueError(f"root_dir {os.fspath(root_dir)!r} cannot be written: {exc}") from None
+        fs = os.statvfs(self.path)
+        self.free_floor = max(min_free_bytes, int(min_free_fraction * fs.f_blocks * fs.f_frsize))
+        # Runs batch consecutive slots up to ~1 MiB: longer ones lose the cache (a run's
+        # CRCs are computed before its write, and after its read), measured in bench_disk.
+        self._run_blocks = max(1, RUN_BYTES // payload)
+        # Slots written by this process: rewriting them needs no new disk space.
+        self._allocated = np.zeros(self.num_slots, dtype=bool)
+        self._counters = FSWorkerCounters()
+        self._lock = threading.Condition()
+        self._pending: set[int] = set()
+        self._results: list[TransferResult] = []
+        self._closed = False
+        self._pools = {
+            STORE: ThreadPoolExecutor(store_threads, thread_name_prefix="kvoffload-fs-store"),
+            LOAD: ThreadPoolExecutor(load_threads, thread_name_prefix="kvoffload-fs-load"),
+        }
+        self._threads_per = {STORE: store_threads, LOAD: load_threads}
+        self._queues: dict[str, queue.Queue] = {STORE: queue.Queue(), LOAD: queue.Queue()}
+        self._threads = [
+            threading.Thread(target=self._dispatch, args=(d,), name=f"kvoffload-fs-{d}", daemon=True)
+            for d in (STORE, LOAD)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.geometry.payload_bytes
+
+    # -- submission ----------------------------------------------------------------------
+
+    def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        if self._closed:
+            raise RuntimeError(f"submit({job_id}) after close()")
+        direction = _DIRECTIONS.get((src_spec.medium, dst_spec.medium))
+        if direction is None:
+            raise TypeError(
+                "FSWorker moves CPU->DISK stores and DISK->CPU loads, got "
+                f"{src_spec.medium or '?'}->{dst_spec.medium or '?'} "
+                f"({type(src_spec).__name__}, {type(dst_spec).__name__})"
+            )
+        store = direction == STORE
+        host_spec, disk_spec = (src_spec, dst_spec) if store else (dst_spec, src_spec)
+        if not (isinstance(host_spec, CPULoadStoreSpec) and isinstance(disk_spec, DiskLoadStoreSpec)):
+            raise TypeError(
+                f"a {direction} job needs a CPULoadStoreSpec and a DiskLoadStoreSpec, got "
+                f"({type(src_spec).__name__}, {type(dst_spec).__name__})"
+            )
+        job = self._plan(job_id, store, host_spec, disk_spec)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"submit({job_id}) after close()")
+            if job_id in self._pending:
+                raise ValueError(f"job id {job_id} is already in flight")
+            self._pending.add(job_id)
+        self._queues[direction].put(job)
+        return True
+
+    def _plan(self, job_id: int, store: bool, host: CPULoadStoreSpec, disk: DiskLoadStoreSpec) -> _Job:
+        host_ids = np.asarray(host.block_ids, dtype=np.int64)
+        slots = np.asarray(disk.block_ids, dtype=np.int64)
+        if len(host_ids) != len(slots):
+            raise ValueError(f"job {job_id}: {len(host_ids)} host blocks but {len(slots)} disk slots")
+        for ids, limit, what in ((host_ids, self.host_pool.num_blocks, "host block id"),
+                                 (slots, self.num_slots, "disk slot")):  # fmt: skip
+            bad = ids[(ids < 0) | (ids >= limit)]
+            if len(bad):
+                raise ValueError(f"job {job_id}: {what} {int(bad[0])} out of range [0, {limit})")
+        for key in disk.keys:
+            if not isinstance(key, (bytes, bytearray)) or not 0 < len(key) <= MAX_KEY_BYTES:
+                raise ValueError(f"job {job_id}: a key must be 1..{MAX_KEY_BYTES} bytes, got {key!r}")
+        destination, what = (slots, "disk slot") if store else (host_ids, "host block")
+        if len(np.unique(destination)) != len(destination):
+            values, counts = np.unique(destination, return_counts=True)
+            raise ValueError(f"job {job_id} writes {what} {int(values[counts > 1][0])} twice")
+        return _Job(job_id, store, host_ids.tolist(), slots.tolist(), [bytes(k) for k in disk.keys])
+
+    # -- running -------------------------------------------------------------------------
+
+    def _dispatch(self, direction: str) -> None:
+        jobs = self._queues[direction]
+        while (job := jobs.get()) is not None:
+            start = time.perf_counter()
+            try:
+                nbytes = self._run(direction, job)
+                result = TransferResult(job.job_id, True, nbytes, time.perf_counter() - start, direction)
+            except Exception as exc:  # a job's failure never stops the worker
+                message = str(exc) if isinstance(exc, _Failed) else f"{type(exc).__name__}: {exc}"
+                if not isinstance(exc, _Failed):
+                    self._count("other_errors")
+                result = TransferResult(job.job_id, False, 0, 0.0, direction, message)
+            with self._lock:
+                counters = self._counters
+                if job.store:
+                    counters.stores += result.success
+                    counters.stores_failed += not result.success
+                else:
+                    counters.loads += result.success
+                    counters.loads_failed += not result.success
+                self._results.append(result)
+                self._pending.discard(job.job_id)
+                self._lock.notify_all()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self._counters, name, getattr(self._counters, name) + n)
+
+    def _run(self, direction: str, job: _Job) -> int:
+        count = len(job.slots)
+        if not count:
+            return 0
+        if job.store:
+            self._check_floor(job)
+        threads = min(self._threads_per[direction], count)
+        chunks = [range(i * count // threads, (i + 1) * count // threads) for i in range(threads)]
+        stop = threading.Event()
+        work = self._store_blocks if job.store else self._load_blocks
+        futures = [self._pools[direction].submit(work, job, chunk, stop) for chunk in chunks]
+        errors = [f.exception() for f in futures]
+        failure = next((e for e in errors if e is not None), None)
+        if failure is not None:
+            raise failure
+        nbytes = count * self.geometry.payload_bytes
+        name = "written" if job.store else "read"
+        with self._lock:
+            setattr(self._counters, f"blocks_{name}", getattr(self._counters, f"blocks_{name}") + count)
+            setattr(self._counters, f"bytes_{name}", getattr(self._counters, f"bytes_{name}") + nbytes)
+        return nbytes
+
+    def _check_floor(self, job: _Job) -> None:
+        if not self.free_floor:  # no floor: the file system's own ENOSPC is the limit
+            return
+        new = int(np.count_nonzero(~self._allocated[job.slots])) * self.geometry.slot_stride
+        if not new:
+            return
+        try:
+            fs = os.statvfs(self.path)
+        except OSError as exc:
+            self._os_error(exc)
+            raise _Failed(f"store job {job.job_id}: cannot check free space: {exc}") from None
+        free = fs.f_bavail * fs.f_frsize
+        if free - new < self.free_floor:
+            self._count("floor_declines")
+            raise _Failed(
+                f"store job {job.job_id} declined: {free} bytes free, it needs {new}, "
+                f"and the free-space floor is {self.free_floor}"
+            )
+
+    def _os_error(self, exc: OSError) -> None:
+        self._count(_ERRNO_COUNTER.get(exc.errno, "other_errors"))
+
+    def _store_blocks(self, job: _Job, chunk: range, stop: threading.Event) -> None:
+        rows, files, allocated = self._rows, self.files, self._allocated
+        for run in _runs(job.slots, chunk, self._run_blocks):
+            if stop.is_set():
+                return
+            first = job.slots[run.start]
+            try:
+                files.write_run(
+                    first, job.keys[run.start : run.stop], [[r[job.host_ids[i]] for r in rows] for i in run]
+                )
+            except OSError as exc:
+                stop.set()
+                allocated[first : first + len(run)] = False
+                self._os_error(exc)
+                key = job.keys[run.start]
+                raise _Failed(
+                    f"store of {len(run)} blocks from key {key.hex()} at slot {first} failed: {exc}"
+                ) from None
+            allocated[first : first + len(run)] = True
+
+    def _load_blocks(self, job: _Job, chunk: range, stop: threading.Event) -> None:
+        rows, files = self._rows, self.files
+        for run in _runs(job.slots, chunk, self._run_blocks):
+            if stop.is_set():
+                return
+            first = job.slots[run.start]
+            try:
+                files.read_run(
+                    first, job.keys[run.start : run.stop], [[r[job.host_ids[i]] for r in rows] for i in run]
+                )
+            except CorruptBlock as exc:
+                stop.set()
+                self._count("corrupt_blocks")
+                try:
+                    files.invalidate(exc.slot)
+                except OSError as inner:
+                    self._os_error(inner)
+                raise _Failed(f"load failed: {exc}") from None
+            except OSError as exc:
+                stop.set()
+                self._os_error(exc)
+                key = job.keys[run.start]
+                raise _Failed(
+                    f"load of {len(run)} blocks from key {key.hex()} at slot {first} failed: {exc}"
+                ) from None
+
+    # -- completion ----------------------------------------------------------------------
+
+    def poll(self) -> list[TransferResult]:
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
+        wanted = set(job_ids)
+        with self._lock:
+            if not self._lock.wait_for(lambda: not (wanted & self._pending), timeout):
+                raise TimeoutError(f"jobs {sorted(wanted & self._pending)} still running")
+
+    def counters(self) -> FSWorkerCounters:
+        with self._lock:
+            return self._counters.snapshot()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for direction in (STORE, LOAD):
+            self._queues[direction].put(None)
+        for thread in self._threads:
+            thread.join()
+        for pool in self._pools.values():
+            pool.shutdown()
+        self.files.close()
+
+
+def _runs(slots: list[int], chunk: range, limit: int) -> list[range]:
+    """``chunk`` (indices into ``slots``) cut where the slots stop being consecutive, and
+    every ``limit`` blocks."""
+    runs = []
+    start = chunk.start
+    for i in range(chunk.start + 1, chunk.stop):
+        if slots[i] != slots[i - 1] + 1 or i - start == limit:
+            runs.append(range(start, i))
+            start = i
+    if chunk.stop > start:
+        runs.append(range(start, chunk.stop))
+    return runs

@@ -1,0 +1,68 @@
+"""SlotIndex against a dict: random inserts and removals, small tables (long probe runs,
+wrap-around), keys of several lengths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvoffload.tiers.fs.index import SlotIndex
+
+
+@pytest.mark.parametrize("num_slots", [1, 3, 8, 100])
+def test_matches_a_dict(num_slots):
+    rng = random.Random(num_slots)
+    index = SlotIndex(num_slots, 12)
+    truth: dict[bytes, int] = {}
+    free = list(range(num_slots))
+    universe = [rng.randbytes(rng.randint(1, 12)) for _ in range(3 * num_slots + 5)]
+    for _ in range(4000):
+        key = rng.choice(universe)
+        if key in truth and rng.random() < 0.5:
+            slot = truth.pop(key)
+            index.remove(slot)
+            free.append(slot)
+        elif key not in truth and free:
+            slot = free.pop(rng.randrange(len(free)))
+            index.insert(key, slot)
+            truth[key] = slot
+        probe = rng.choice(universe)
+        assert index.find(probe) == truth.get(probe, -1)
+        assert index.size == len(truth)
+    for key, slot in truth.items():
+        assert index.find(key) == slot and index.key_of(slot) == key
+    index.clear()
+    assert all(index.find(key) == -1 for key in universe)
+
+
+def test_check_key_names_the_bad_key():
+    index = SlotIndex(4, 8)
+    with pytest.raises(ValueError, match="1..8 bytes"):
+        index.check_key(b"123456789")
+    with pytest.raises(ValueError, match="1..8 bytes"):
+        index.check_key(b"")
+    with pytest.raises(ValueError, match="1..8 bytes"):
+        index.check_key("text")
+    assert index.check_key(b"ok") == b"ok"
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["same length", "mixed lengths"])
+def test_insert_many_equals_inserting_one_by_one(mixed):
+    rng = random.Random(5)
+    num_slots = 3000
+    index = SlotIndex(num_slots, 16)
+    keys = [rng.randbytes(rng.randint(1, 16) if mixed else 16) for _ in range(2600)]
+    keys = list(dict.fromkeys(keys))
+    slots = rng.sample(range(num_slots), len(keys))
+    for key, slot in zip(keys[:100], slots[:100]):  # entries already there
+        index.insert(key, slot)
+    index.insert_many(keys[100:], slots[100:])
+    assert index.size == len(keys)
+    for key, slot in zip(keys, slots):
+        assert index.find(key) == slot and index.key_of(slot) == key
+    assert index.find(b"absent") == -1
+    for slot in slots[::2]:  # removals keep the probe runs intact
+        index.remove(slot)
+    for i, (key, slot) in enumerate(zip(keys, slots)):
+        assert index.find(key) == (-1 if i % 2 == 0 else slot)
