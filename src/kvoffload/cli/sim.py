@@ -1,17 +1,25 @@
 """``kvoffload sim``: replay a trace (a Mooncake JSONL path, or a built-in synthetic
 workload) for a list of eviction policies and host-tier capacities, print hit ratios per
 tier, tokens saved, bytes moved and an estimate of prefill time saved, and write a CSV and
-a PNG of hit ratio against capacity."""
+a PNG of hit ratio against capacity.
+
+With ``--disk-capacities`` a disk tier sits below the host (CPU) tier
+(``kvoffload.sim.disk``): every (policy, CPU capacity, disk capacity) is replayed, the
+table gives hit ratios of the device, CPU and disk tiers and GB read/written per tier, the
+cost model adds the disk read bandwidth (``--disk-bandwidth``), and the plot draws the hit
+ratio against the disk capacity. Belady has no two-tier replay and is left out there."""
 
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
 
-from kvoffload.sim.planning import CostModel, parse_capacity, plan, validate_policies
-from kvoffload.sim.report import format_table, write_csv, write_plot
+from kvoffload.sim.disk_plan import ADMISSION, DEFAULT_ADMISSION, plan_disk
+from kvoffload.sim.planning import BELADY, CostModel, parse_bytes, parse_capacity, plan, validate_policies
+from kvoffload.sim.report import format_disk_table, format_table, write_csv, write_disk_plot, write_plot
 from kvoffload.sim.trace import MOONCAKE_BLOCK_SIZE, TraceFormatError, read_trace
 from kvoffload.sim.workloads import WORKLOADS, builtin_workload
 
@@ -39,6 +47,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_CAPACITIES,
         help="comma-separated host sizes: '5%%' or '0.05' of the unique blocks, '2000' blocks, "
         "or bytes like '8GiB' (default " + DEFAULT_CAPACITIES.replace("%", "%%") + ")",
+    )
+    p.add_argument(
+        "--disk-capacities",
+        default=None,
+        help="comma-separated disk-tier sizes below the host tier, in the same forms as "
+        "--capacities, e.g. '10%%,64GiB' (default: no disk tier)",
+    )
+    p.add_argument(
+        "--disk-bandwidth",
+        default="5GB",
+        help="disk-to-host read bytes per second, e.g. '5GB' (default 5GB; with --disk-capacities)",
+    )
+    p.add_argument(
+        "--disk-policy",
+        default=None,
+        help="eviction policy of the disk tier (default: the row's policy)",
+    )
+    p.add_argument(
+        "--disk-admit",
+        choices=ADMISSION,
+        default=None,
+        help="which blocks go to disk: 'all' written through, or 'seen-twice' (Dynamo KVBM's rule: "
+        f"a block stored to the host tier a second time) (default {DEFAULT_ADMISSION})",
     )
     p.add_argument(
         "--device-blocks",
@@ -85,49 +116,111 @@ def _split(text: str, flag: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvoffload.sim.planning import parse_bytes
-
     try:
-        kv_bytes = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else MODELS[args.model]
-        cost = CostModel(args.prefill_tps, float(parse_bytes(args.bandwidth)), kv_bytes)
-        policies = validate_policies(_split(args.policies, "--policies"))
-        capacities = _split(args.capacities, "--capacities")
-        if args.device_blocks < 0:
-            raise ValueError(f"--device-blocks must be >= 0, got {args.device_blocks}")
-        if args.block_size <= 0:
-            raise ValueError(f"--block-size must be positive, got {args.block_size}")
-        trace = _load(args.source, args.block_size, args.seed)
-        for spec in capacities:  # fail on a bad capacity before any replay
-            parse_capacity(spec, trace.unique_blocks(), trace.block_size * cost.kv_bytes_per_token)
+        cost, policies, capacities, disk_capacities, trace = _validate(args)
     except (ValueError, TraceFormatError, OSError) as exc:
         raise SystemExit(f"kvoffload sim: {exc}") from None
+    block_bytes = trace.block_size * cost.kv_bytes_per_token
     print(
         f"{trace.name}: {len(trace.requests)} requests, {trace.block_references()} block references, "
-        f"{trace.unique_blocks()} unique blocks of {trace.block_size} tokens; "
-        f"device tier {args.device_blocks} blocks"
+        f"{trace.unique_blocks()} unique blocks of {trace.block_size} tokens "
+        f"({block_bytes / 2**20:,.1f} MiB each); device tier {args.device_blocks} blocks"
     )
-    bar = tqdm(total=len(policies) * len(capacities), disable=args.no_progress, unit="replay")
-    try:
-        rows = plan(
-            trace,
-            policies,
-            capacities,
-            args.device_blocks,
-            cost,
-            progress=lambda what: (bar.set_description(what), bar.update(0)),
-        )
-    finally:
-        bar.close()
-    print(format_table(rows))
-    print(
+    title = f"{trace.name}, device tier {args.device_blocks} blocks"
+    link = (
         f"cost model: prefill {cost.prefill_tokens_per_s:,.0f} tokens/s, "
         f"link {cost.bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
-        f"{cost.kv_bytes_per_token:,} KV bytes/token; stores overlap compute and are not charged"
     )
-    write_csv(rows, args.csv)
-    write_plot(rows, args.png, title=f"{trace.name}, device tier {args.device_blocks} blocks")
+    if disk_capacities:
+        online = [name for name in policies if name.lower() != BELADY]
+        if len(online) < len(policies):
+            print(
+                "belady left out: it has no replay with a disk tier "
+                "(without --disk-capacities it is the host-tier ceiling)"
+            )
+        admit = args.disk_admit or DEFAULT_ADMISSION
+        with _progress(args, len(online) * len(capacities) * len(disk_capacities)) as progress:
+            disk_rows = plan_disk(
+                trace,
+                online,
+                capacities,
+                disk_capacities,
+                args.device_blocks,
+                cost,
+                admit=admit,
+                disk_policy=args.disk_policy,
+                progress=progress,
+            )
+        print(format_disk_table(disk_rows))
+        print(
+            f"{link}disk reads {cost.disk_bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
+            f"{cost.kv_bytes_per_token:,} KV bytes/token; disk admission {admit}; "
+            "stores and writes to disk overlap compute and are not charged"
+        )
+        write_csv(disk_rows, args.csv)
+        write_disk_plot(disk_rows, args.png, title=title)
+    else:
+        with _progress(args, len(policies) * len(capacities)) as progress:
+            rows = plan(trace, policies, capacities, args.device_blocks, cost, progress=progress)
+        print(format_table(rows))
+        print(f"{link}{cost.kv_bytes_per_token:,} KV bytes/token; stores overlap compute and are not charged")
+        write_csv(rows, args.csv)
+        write_plot(rows, args.png, title=title)
     print(f"wrote {args.csv} and {args.png}")
     return 0
+
+
+def _validate(args: argparse.Namespace):
+    """Every flag checked (errors name the flag and the value) and the trace loaded."""
+    kv_bytes = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else MODELS[args.model]
+    cost = CostModel(
+        args.prefill_tps,
+        float(_flag_bytes(args.bandwidth, "--bandwidth")),
+        kv_bytes,
+        float(_flag_bytes(args.disk_bandwidth, "--disk-bandwidth")),
+    )
+    policies = validate_policies(_split(args.policies, "--policies"))
+    capacities = _split(args.capacities, "--capacities")
+    disk_capacities = (
+        [] if args.disk_capacities is None else _split(args.disk_capacities, "--disk-capacities")
+    )
+    for flag, value in (("--disk-policy", args.disk_policy), ("--disk-admit", args.disk_admit)):
+        if value is not None and not disk_capacities:
+            raise ValueError(f"{flag} {value!r} needs --disk-capacities")
+    if args.disk_policy is not None:
+        validate_policies([args.disk_policy])
+    if disk_capacities and all(name.lower() == BELADY for name in policies):
+        raise ValueError(f"--policies {args.policies!r}: belady has no replay with a disk tier")
+    if args.device_blocks < 0:
+        raise ValueError(f"--device-blocks must be >= 0, got {args.device_blocks}")
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    trace = _load(args.source, args.block_size, args.seed)
+    block_bytes = trace.block_size * cost.kv_bytes_per_token
+    for flag, specs in (("--capacities", capacities), ("--disk-capacities", disk_capacities)):
+        for spec in specs:  # fail on a bad capacity before any replay
+            try:
+                parse_capacity(spec, trace.unique_blocks(), block_bytes)
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+    return cost, policies, capacities, disk_capacities, trace
+
+
+def _flag_bytes(text: str, flag: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+@contextmanager
+def _progress(args: argparse.Namespace, total: int):
+    """A progress callback for ``plan``/``plan_disk`` drawing a bar of ``total`` replays."""
+    bar = tqdm(total=total, disable=args.no_progress, unit="replay")
+    try:
+        yield lambda what: (bar.set_description(what), bar.update(0))
+    finally:
+        bar.close()
 
 
 def _load(source: str, block_size: int, seed: int):

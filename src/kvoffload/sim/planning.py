@@ -8,7 +8,10 @@
 * a host hit costs its blocks' bytes (``block_size * kv_bytes_per_token`` each) over the
   host-to-device link at ``bandwidth_bytes_per_s`` (device hits move nothing);
 * stores to the host run in the background and cost no request time (their bytes are
-  reported, not charged).
+  reported, not charged);
+* with a disk tier (``kvoffload.sim.disk_plan``), a disk hit is first read from disk into
+  host memory at ``disk_bandwidth_bytes_per_s``, then crosses the link like a host hit;
+  writes to disk run in the background, like stores.
 
 Capacities are given as text: ``"5%"`` or ``"0.05"`` (a fraction of the trace's unique
 blocks, in (0, 1]), ``"2000"`` (blocks) or ``"8GiB"`` / ``"500MB"`` (bytes, divided by
@@ -47,14 +50,21 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*$")
 
 @dataclass(frozen=True)
 class CostModel:
-    """Prefill speed, host-to-device bandwidth and KV size of the model being served."""
+    """Prefill speed, host-to-device bandwidth, KV size of the model being served and the
+    disk-to-host read bandwidth of a disk tier (used only when one is modelled)."""
 
     prefill_tokens_per_s: float = 8000.0
     bandwidth_bytes_per_s: float = 25e9
     kv_bytes_per_token: int = 131072  # Llama-3-8B in bf16: 2 (K,V) x 32 layers x 8 heads x 128 x 2 B
+    disk_bandwidth_bytes_per_s: float = 5e9
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "bandwidth_bytes_per_s", "kv_bytes_per_token"):
+        for name in (
+            "prefill_tokens_per_s",
+            "bandwidth_bytes_per_s",
+            "kv_bytes_per_token",
+            "disk_bandwidth_bytes_per_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")

@@ -1,18 +1,24 @@
 """Reports of a capacity plan: a text table, a CSV file and a hit-ratio-vs-capacity plot.
 
-The CSV holds one row per (policy, capacity) with every ``PlanRow`` field. The plot draws
-the total hit ratio (device + host) against the host capacity as a fraction of the unique
-blocks, one curve per policy; ``belady`` is drawn dashed, as the ceiling. Matplotlib is
-imported only by ``write_plot`` and always with the non-interactive Agg backend.
+The CSV holds one row per (policy, capacity) with every ``PlanRow`` field (with a disk
+tier: per (policy, CPU capacity, disk capacity), every ``DiskPlanRow`` field). The plot
+draws the total hit ratio against the host capacity, one curve per policy; ``belady`` is
+drawn dashed, as the ceiling. With a disk tier it draws the total hit ratio (device + CPU +
+disk) against the disk capacity, one curve per (policy, CPU capacity). Capacities are
+placed by their size in blocks (log scale for more than two) and labelled as they were
+typed (``5%``, ``64GiB``, ``2000``). Matplotlib is imported only by the plot writers and
+always with the non-interactive Agg backend.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvoffload.sim.disk_plan import DiskPlanRow
 from kvoffload.sim.planning import BELADY, PlanRow
 
 _GB = 1e9
@@ -35,9 +41,35 @@ def format_table(rows: Sequence[PlanRow]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(rows: Sequence[PlanRow], path: str | Path) -> None:
-    """Write every field of every row, plus requests per second."""
-    names = [f.name for f in dataclasses.fields(PlanRow)] + ["requests_per_second"]
+def _gb(n: int) -> str:
+    gb = n / _GB
+    return f"{gb:,.0f}" if gb >= 100 else f"{gb:.1f}"
+
+
+def format_disk_table(rows: Sequence[DiskPlanRow]) -> str:
+    """A fixed-width table of CPU + disk rows: hit ratio and GB read/written per tier."""
+    header = (
+        f"{'policy':<10}{'cpu':>9}{'disk':>9}{'device':>8}{'cpu':>7}{'disk':>7}{'total':>7}"
+        f"{'tokens saved':>15}{'cpu GB r/w':>17}{'disk GB r/w':>17}{'prefill s saved':>17}{'req/s':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        cpu_rw = f"{_gb(r.cpu_bytes_read)}/{_gb(r.cpu_bytes_written)}"
+        disk_rw = f"{_gb(r.disk_bytes_read)}/{_gb(r.disk_bytes_written)}"
+        tokens = r.device_tokens_saved + r.cpu_tokens_saved + r.disk_tokens_saved
+        lines.append(
+            f"{r.policy:<10}{r.capacity:>9}{r.disk_capacity:>9}{r.device_hit_ratio:>8.3f}"
+            f"{r.cpu_hit_ratio:>7.3f}{r.disk_hit_ratio:>7.3f}{r.hit_ratio:>7.3f}{tokens:>15,}"
+            f"{cpu_rw:>17}{disk_rw:>17}{r.prefill_s_saved:>17,.1f}{r.requests_per_second:>9,.0f}"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[PlanRow] | Sequence[DiskPlanRow], path: str | Path) -> None:
+    """Write every field of every row (``PlanRow``s or ``DiskPlanRow``s), plus requests per
+    second."""
+    kind = type(rows[0]) if rows else PlanRow
+    names = [f.name for f in dataclasses.fields(kind)] + ["requests_per_second"]
     with Path(path).open("w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
         writer.writerow(names)
@@ -51,26 +83,58 @@ def _csv_value(value: object) -> object:
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
-def write_plot(rows: Sequence[PlanRow], path: str | Path, title: str = "") -> None:
-    """Hit ratio against capacity, one curve per policy, Belady dashed as the ceiling."""
+def capacity_ticks(points: Sequence[tuple[float, str]]) -> tuple[list[float], list[str]]:
+    """Tick positions and labels of (position, typed capacity) pairs: one tick per distinct
+    position, in increasing order, labelled with every capacity typed for it."""
+    labels: dict[float, list[str]] = {}
+    for x, text in points:
+        names = labels.setdefault(x, [])
+        if text not in names:
+            names.append(text)
+    xs = sorted(labels)
+    return xs, [" / ".join(labels[x]) for x in xs]
+
+
+def _staggered(positions: Sequence[float], names: Sequence[str], log: bool) -> list[str]:
+    """``names``, each label too close to the one before it a line lower than that one (up
+    to three lines, then back to the top)."""
+    if len(positions) < 2:
+        return list(names)
+    scale = math.log if log else float
+    lo, hi = scale(positions[0]), scale(positions[-1])
+    out, last, level = [], -1.0, 0
+    for x, name in zip(positions, names):
+        at = (scale(x) - lo) / (hi - lo)
+        level = (level + 1) % 3 if at - last < 0.08 else 0
+        out.append("\n" * level + name)
+        last = at
+    return out
+
+
+def _draw(path, title, xlabel, ylabel, ticks, curves) -> list[str]:
+    """Draw ``curves`` ([(label, xs, ys, dashed)]) with ``ticks`` as the x tick labels; the
+    tick labels drawn are returned."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     try:
-        for policy in dict.fromkeys(r.policy for r in rows):
-            points = sorted((r.fraction, r.hit_ratio) for r in rows if r.policy == policy)
-            xs, ys = [100 * x for x, _ in points], [y for _, y in points]
-            if policy.lower() == BELADY:
-                ax.plot(xs, ys, "k--", marker="o", label="belady (offline ceiling)")
+        for label, xs, ys, dashed in curves:
+            if dashed:
+                ax.plot(xs, ys, "k--", marker="o", label=label)
             else:
-                ax.plot(xs, ys, marker="o", label=policy)
-        ax.set_xlabel("host tier capacity (% of unique blocks)")
-        ax.set_ylabel("hit ratio (device + host)")
-        if len({r.fraction for r in rows}) > 2:
+                ax.plot(xs, ys, marker="o", label=label)
+        positions, names = ticks
+        log = len(positions) > 2 and positions[0] > 0
+        if log:
             ax.set_xscale("log")
+        ax.set_xticks(positions, _staggered(positions, names, log))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend()
@@ -78,5 +142,31 @@ def write_plot(rows: Sequence[PlanRow], path: str | Path, title: str = "") -> No
             ax.set_title(title)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
+        return [t.get_text().strip("\n") for t in ax.get_xticklabels()]
     finally:
         plt.close(fig)
+
+
+def write_plot(rows: Sequence[PlanRow], path: str | Path, title: str = "") -> list[str]:
+    """Hit ratio against host capacity, one curve per policy, Belady dashed as the ceiling;
+    returns the x tick labels drawn (the capacities as typed)."""
+    curves = []
+    for policy in dict.fromkeys(r.policy for r in rows):
+        points = sorted((r.blocks, r.hit_ratio) for r in rows if r.policy == policy)
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        dashed = policy.lower() == BELADY
+        curves.append(("belady (offline ceiling)" if dashed else policy, xs, ys, dashed))
+    ticks = capacity_ticks([(r.blocks, r.capacity) for r in rows])
+    return _draw(path, title, "host tier capacity", "hit ratio (device + host)", ticks, curves)
+
+
+def write_disk_plot(rows: Sequence[DiskPlanRow], path: str | Path, title: str = "") -> list[str]:
+    """Total hit ratio against disk capacity, one curve per (policy, CPU capacity); returns
+    the x tick labels drawn (the disk capacities as typed)."""
+    curves = []
+    for policy, capacity in dict.fromkeys((r.policy, r.capacity) for r in rows):
+        mine = [r for r in rows if r.policy == policy and r.capacity == capacity]
+        points = sorted((r.disk_blocks, r.hit_ratio) for r in mine)
+        curves.append((f"{policy}, CPU {capacity}", [x for x, _ in points], [y for _, y in points], False))
+    ticks = capacity_ticks([(r.disk_blocks, r.disk_capacity) for r in rows])
+    return _draw(path, title, "disk tier capacity", "hit ratio (device + CPU + disk)", ticks, curves)
