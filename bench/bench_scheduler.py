@@ -6,7 +6,8 @@ KV-cache group, a CPU tier large enough for everything. Each request is matched 
 allocated, prefilled in one step, then decoded for ``--decode`` steps; every job is
 completed as soon as it is planned. Reported: microseconds per request for ``match`` +
 ``on_allocated`` (half the requests find their prompt offloaded), and per scheduled
-request per step for ``build_step`` + ``complete_jobs`` during prefill and decode.
+request per step for ``build_step`` + ``complete_jobs`` during prefill and decode, and per
+request for ``request_finished`` (with the manager's ``on_request_finished``).
 
     .venv/bin/python bench/bench_scheduler.py [--requests N] [--prompt TOKENS] [--decode STEPS]
 """
@@ -59,13 +60,16 @@ def run(sched: OffloadingScheduler, requests: list[Request], decode: int) -> dic
         plan = sched.build_step(StepRequest(r.request_id, None, len(r.all_token_ids) - 1) for r in requests)
         sched.complete_jobs((job.job_id, True) for job in plan.stores)
         decode_s += time.perf_counter() - start
+    t3 = time.perf_counter()
     for r in requests:
         sched.request_finished(r.request_id)
+    t4 = time.perf_counter()
     n = len(requests)
     return {
         "match + allocate, us/request": (t1 - t0) / n * 1e6,
         "prefill step, us/request": (t2 - t1) / n * 1e6,
         "decode step, us/request": decode_s / max(decode, 1) / n * 1e6,
+        "request_finished, us/request": (t4 - t3) / n * 1e6,
     }
 
 

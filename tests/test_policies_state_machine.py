@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import make_offload_key
-from kvoffload.manager import LookupResult
+from kvoffload.manager import LookupResult, RequestContext
 from kvoffload.policies import BlockStatus, CachePolicy, available_policies, resolve_policy
 
 POOL = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(10)]
@@ -71,6 +71,8 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
             self.loads: list[list[bytes]] = []
             self.announced: set[bytes] = set()
             self.slots: dict[bytes, int] = {}
+            self.requests: list[tuple[RequestContext, list[bytes]]] = []
+            self.next_request = 0
 
         @rule(keys=keys_st)
         def prepare_store(self, keys):
@@ -140,6 +142,24 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
         def touch(self, keys):
             self.m.touch(keys)
 
+        @rule(keys=keys_st)
+        def new_request(self, keys):
+            # announced, then its one touch, as the scheduler does
+            ctx = RequestContext(f"r{self.next_request}")
+            self.next_request += 1
+            self.m.on_new_request(ctx)
+            self.m.touch(keys)
+            self.requests.append((ctx, keys))
+
+        @precondition(lambda self: self.requests)
+        @rule(data=st.data())
+        def finish_request(self, data):
+            ctx, keys = self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1)))
+            keys = keys + data.draw(st.lists(st.sampled_from(POOL), max_size=3))  # blocks it generated
+            inserted = set(data.draw(st.lists(st.sampled_from(keys), max_size=4)))
+            reused = set(data.draw(st.lists(st.sampled_from(keys), max_size=4))) - inserted
+            self.m.on_request_finished(ctx, [keys], inserted, reused)
+
         @rule()
         def reset(self):
             self.m.reset()
@@ -155,6 +175,8 @@ def machine_for(policy: str, num_blocks: int = 4) -> type[RuleBasedStateMachine]
             assert stats.used <= num_blocks
             assert stats.used == len(self.ready) + len(self.in_flight)
             assert stats.in_flight == len(self.in_flight)
+            assert stats.pinned == sum(1 for count in self.pins.values() if count > 0)
+            assert stats.idle == len(self.ready) - stats.pinned
 
         @invariant()
         def slots_unique_and_in_range(self):

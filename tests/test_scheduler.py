@@ -180,8 +180,11 @@ def test_evictions_become_block_removed_and_reset_all_blocks_cleared():
     run_prefill(sched, b, [[2, 3]])
     events = sched.take_events()
     removed = [e for e in events if isinstance(e, BlockRemoved)]
+    # a finished request's blocks are ranked deepest least recent: its tail goes first
     assert removed == [
-        BlockRemoved(block_hashes=[external_hash(h) for h in a.block_hashes], medium="CPU", group_idx=0)
+        BlockRemoved(
+            block_hashes=[external_hash(h) for h in reversed(a.block_hashes)], medium="CPU", group_idx=0
+        )
     ]
     sched.request_finished("b")
     sched.reset()

@@ -14,11 +14,15 @@ semantics beyond the base contract:
   Events are recorded only when ``enable_events`` is true.
 * A policy may decline keys (``CachePolicy.admit``); they are left out of
   ``keys_to_store`` and stay absent.
+* It counts its in-flight and pinned blocks as they change, so ``stats`` costs nothing and
+  ``prepare_store`` returns ``None`` at once, without asking the policy, when fewer idle
+  blocks than it must evict exist.
+* ``on_new_request`` and ``on_request_finished`` are passed on to the policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import (
@@ -26,6 +30,7 @@ from kvoffload.manager import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    RequestContext,
     TierStats,
 )
 from kvoffload.policies import BlockStatus, CachePolicy, resolve_policy
@@ -58,6 +63,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self._in_flight = 0  # blocks with ref == -1
+        self._pinned = 0  # blocks with ref > 0
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -95,8 +102,10 @@ class CPUOffloadingManager(OffloadingManager):
             if status is None or status.ref < 0:
                 for done in pinned:  # all or nothing
                     done.ref -= 1
+                    self._pinned -= done.ref == 0
                 state = "absent" if status is None else "still being stored"
                 raise KeyError(f"cannot load key {key.hex()}: it is {state}, not a HIT")
+            self._pinned += status.ref == 0
             status.ref += 1
             pinned.append(status)
         return CPULoadStoreSpec([status.slot for status in pinned])
@@ -111,9 +120,11 @@ class CPUOffloadingManager(OffloadingManager):
             status = blocks.get(key)
             if status is None or status.ref <= 0:
                 for done in unpinned:  # all or nothing
+                    self._pinned += done.ref == 0
                     done.ref += 1
                 raise KeyError(f"cannot complete load of key {key.hex()}: no load was prepared")
             status.ref -= 1
+            self._pinned -= status.ref == 0
             unpinned.append(status)
 
     # -- stores ----------------------------------------------------------------------
@@ -131,6 +142,8 @@ class CPUOffloadingManager(OffloadingManager):
         if shortfall > 0:
             if len(new_keys) > self.num_blocks:
                 return None
+            if shortfall > len(blocks) - self._in_flight - self._pinned:
+                return None  # fewer idle blocks than needed: no policy can help
             victims = policy.evict(shortfall, set(keys))
             if victims is None:
                 return None
@@ -149,6 +162,7 @@ class CPUOffloadingManager(OffloadingManager):
             slots.extend(reversed(free[-reused:]))
             del free[-reused:]
         statuses = list(map(BlockStatus, slots))
+        self._in_flight += len(statuses)
         blocks.update(zip(new_keys, statuses))
         policy.insert_many(new_keys, statuses)
         return PrepareStoreOutput(new_keys, CPULoadStoreSpec(slots), evicted)
@@ -160,6 +174,7 @@ class CPUOffloadingManager(OffloadingManager):
             status = blocks.get(key)
             if status is None or status.ref != -1:
                 continue
+            self._in_flight -= 1
             if success:
                 status.ref = 0
                 done.append(key)
@@ -204,15 +219,27 @@ class CPUOffloadingManager(OffloadingManager):
         self.policy.clear()
         self._next_unused = 0
         self._free.clear()
+        self._in_flight = self._pinned = 0
+
+    def on_new_request(self, request: RequestContext) -> None:
+        self.policy.on_new_request(request)
+
+    def on_request_finished(
+        self,
+        request: RequestContext,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        inserted: Set[OffloadKey],
+        reused: Set[OffloadKey],
+    ) -> None:
+        self.policy.on_request_finished(request, key_groups, inserted, reused)
 
     def stats(self) -> TierStats:
-        statuses = self._blocks.values()
         return TierStats(
             medium=self.medium,
             capacity=self.num_blocks,
             used=len(self._blocks),
-            in_flight=sum(1 for s in statuses if s.ref < 0),
-            pinned=sum(1 for s in statuses if s.ref > 0),
+            in_flight=self._in_flight,
+            pinned=self._pinned,
             hits=self._hits,
             misses=self._misses,
             evictions=self._evictions,

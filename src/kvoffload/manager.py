@@ -18,14 +18,44 @@ Events: an ``OffloadingEvent`` says which keys became loadable (``removed=False`
 dropped (``removed=True``) in one medium. It carries no block size: block size belongs to
 a KV-cache group, and the scheduler, which knows each key's group, fills it in when it
 converts events to the wire format.
+
+Request lifecycle: the scheduler announces each request it serves with
+``on_new_request(request)`` and ends it with ``on_request_finished(request, key_groups,
+inserted, reused)`` (both no-ops by default; the CPU tier passes them to its policy, a
+stacked manager to every tier). What a manager or policy may rely on:
+
+* ``on_new_request`` fires once, when the scheduler first sees the request (its first
+  ``match``), before any other call made for it, and is followed at once by its touch (one
+  ``touch`` per KV-cache group, its only one), then its lookups; its loads and stores come
+  later. Those calls carry no request, and other requests' calls interleave with them.
+* ``on_request_finished`` fires exactly once per announced request, when the scheduler
+  forgets it: the engine finished or aborted it (the same path) and none of its loads or
+  stores is in flight any more (each completed, failed, or cancelled before it was sent).
+  After it nothing is done for that request. Transfers between tiers are never for a
+  request and may still follow.
+* Not an end: preemption (the request keeps its context; when it resumes it may be matched
+  and loaded again, which adds to ``reused``) and a failed load (the engine recomputes
+  those tokens; the failed keys are not ``reused``).
+* ``reset``: the scheduler first finishes every request it tracks (with what it knew so
+  far), then resets the manager, then announces the requests still running again (no
+  touch follows these), whose ``inserted`` and ``reused`` start empty. No reset ever falls
+  between a request's two hooks.
+* ``key_groups[g]``: the request's keys of KV-cache group ``g``, head to tail: key ``j``
+  is its ``j``-th offloaded block, ending at token ``(j + 1) * request.group_tokens[g]``;
+  every whole block of the tokens it computed (prompt and generated) or loaded, held or
+  not (``prefix_order`` merges the groups by token position). ``inserted``: keys its stores
+  made loadable. ``reused``: keys loaded for it from the tier (completed loads), less the
+  ones it inserted itself. Both are subsets of ``key_groups``' keys; any of them may have
+  been evicted since. Hooks must ignore keys the tier does not hold.
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvoffload.keys import OffloadKey
 from kvoffload.specs import LoadStoreSpec  # re-exported: part of the contract
@@ -38,6 +68,36 @@ class LookupResult(enum.Enum):
     PENDING = "pending"  # a store of this key is in flight
     MISS = "miss"  # not held
     RETRY = "retry"  # cannot tell yet; ask again next step
+
+
+@dataclass(frozen=True, eq=False)
+class RequestContext:
+    """One request as the scheduler announces it to the tiers.
+
+    ``hints``: what the engine passed with the request for offloading (vLLM's
+    ``kv_transfer_params``), unchanged, empty when none; read them, never change them.
+    ``group_tokens[g]``: the tokens one offloaded block of KV-cache group ``g`` spans (the
+    scheduler fills it in), which places the keys of ``on_request_finished``'s
+    ``key_groups``.
+    """
+
+    request_id: str
+    hints: Mapping[str, Any] = field(default_factory=dict)
+    group_tokens: tuple[int, ...] = ()
+
+
+def prefix_order(request: RequestContext, key_groups: Sequence[Sequence[OffloadKey]]) -> list[OffloadKey]:
+    """The keys of all groups head to tail: by the token each block ends at, a lower group
+    first on a tie. A group of unknown size counts its ``j``-th key as ending at ``j + 1``."""
+    if len(key_groups) == 1:
+        return list(key_groups[0])
+    sizes = request.group_tokens
+    ends = []
+    for g, keys in enumerate(key_groups):
+        tokens = sizes[g] if g < len(sizes) else 1
+        ends += [((j + 1) * tokens, g, j) for j in range(len(keys))]
+    ends.sort()
+    return [key_groups[g][j] for _, g, j in ends]
 
 
 @dataclass(frozen=True)
@@ -73,7 +133,12 @@ class TierTransfer:
 
 @dataclass(frozen=True)
 class TierStats:
-    """A snapshot of one tier. Counters (hits, misses, evictions) count since creation."""
+    """A snapshot of one tier. Counters (hits, misses, evictions) count since creation.
+
+    ``used`` blocks are resident: ``in_flight`` (being written) + ``pinned`` (read by
+    loads) + ``idle`` (loadable and evictable). ``in_use`` = in flight + pinned: the blocks
+    no eviction can take now (vLLM's cache-usage gauge counts these).
+    """
 
     medium: str
     capacity: int
@@ -83,6 +148,19 @@ class TierStats:
     hits: int
     misses: int
     evictions: int
+
+    @property
+    def in_use(self) -> int:
+        return self.in_flight + self.pinned
+
+    @property
+    def idle(self) -> int:
+        return self.used - self.in_flight - self.pinned
+
+    @property
+    def usage(self) -> float:
+        """``in_use`` as a fraction of ``capacity`` (0 for an empty tier)."""
+        return self.in_use / self.capacity if self.capacity else 0.0
 
 
 class OffloadingManager(ABC):
@@ -158,6 +236,19 @@ class OffloadingManager(ABC):
     def complete_transfer(self, token: int, success: bool) -> None:
         """The outcome of a ``TierTransfer``; unknown tokens raise ``KeyError``."""
         raise KeyError(f"unknown tier transfer {token}")
+
+    def on_new_request(self, request: RequestContext) -> None:
+        """A request starts (see the module docstring for when); the default does nothing."""
+
+    def on_request_finished(
+        self,
+        request: RequestContext,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        inserted: Set[OffloadKey],
+        reused: Set[OffloadKey],
+    ) -> None:
+        """A request announced by ``on_new_request`` ended (see the module docstring for
+        when, and for what the arguments hold); the default does nothing."""
 
     def close(self) -> None:
         """Release resources held by the tier."""

@@ -19,12 +19,17 @@ _REGISTRY: dict[str, type[CachePolicy]] = {}
 
 
 def register_policy(cls: type[CachePolicy], name: str | None = None) -> type[CachePolicy]:
-    """Register ``cls`` under ``name`` (default ``cls.name``); usable as a decorator."""
+    """Register ``cls`` under ``name`` (default ``cls.name``); usable as a decorator.
+
+    Names are case-insensitive; a name already registered raises ``ValueError`` (as vLLM's
+    registry does), so a policy can never silently replace another."""
     if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
         raise TypeError(f"not a CachePolicy subclass: {cls!r}")
     key = (name or cls.name).lower()
     if not key:
         raise ValueError(f"policy {cls.__name__} has no name")
+    if key in _REGISTRY:
+        raise ValueError(f"eviction policy name {key!r} is already registered (to {_REGISTRY[key].__name__})")
     _REGISTRY[key] = cls
     return cls
 

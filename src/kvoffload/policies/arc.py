@@ -76,6 +76,8 @@ class ARCPolicy(CachePolicy):
         if n <= 0:
             return []
         t1, t2 = self._t1, self._t2
+        if n > len(t1) + len(t2):
+            return None
         # The paper takes from T1 while |T1| > p; each victim shrinks |T1| by one.
         excess = len(t1) - self.target_t1
         from_t1 = evictable_keys(t1, min(n, math.ceil(excess)) if excess > 0 else 0, protected)

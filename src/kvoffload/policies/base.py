@@ -7,15 +7,24 @@ eviction (``remove``); the policy reads each block's ``ref`` to skip blocks that
 evicted: in flight (``-1``) or pinned (``> 0``).
 
 ``evict(n, protected)`` is all-or-nothing: it returns ``n`` evictable keys not in
-``protected`` (and forgets them), or ``None`` and changes nothing.
+``protected`` (and forgets them), or ``None`` and changes nothing. It returns at once
+(``[]`` for ``n <= 0``, ``None`` when it tracks fewer than ``n`` keys) without looking at a
+block; ``CPUOffloadingManager`` counts its idle blocks and does not ask when it has fewer
+than ``n``.
+
+Request lifecycle: the manager passes on ``on_new_request`` and ``on_request_finished``
+(``kvoffload.manager`` says when they fire and what they hold); both do nothing by
+default, and a policy must ignore keys and requests it does not know (``clear`` forgets
+everything, and hooks name keys that may have been evicted).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence, Set
 
 from kvoffload.keys import OffloadKey
+from kvoffload.manager import RequestContext
 from kvoffload.validation import non_negative_int
 
 
@@ -75,6 +84,18 @@ class CachePolicy(ABC):
     def admit(self, key: OffloadKey) -> bool:
         """Whether ``key`` should be stored at all (only asked when ``admits_all`` is false)."""
         return True
+
+    def on_new_request(self, request: RequestContext) -> None:
+        """A request starts; the default does nothing."""
+
+    def on_request_finished(
+        self,
+        request: RequestContext,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        inserted: Set[OffloadKey],
+        reused: Set[OffloadKey],
+    ) -> None:
+        """A request ended; the default does nothing."""
 
 
 def evictable_keys(

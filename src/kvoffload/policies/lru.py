@@ -1,16 +1,36 @@
-"""Least-recently-used eviction.
+"""Least-recently-used eviction, in prefix order where it knows the request.
 
-``touch`` walks its keys in reverse, so the first block of a prefix ends up most recently
-used and a prefix's tail is evicted before its head (a tail is useless without its head).
-New keys enter as most recently used.
+``touch`` (a request's match) walks its keys in reverse, so the first block of a prefix
+ends up most recently used and a prefix's tail is evicted before its head (a tail is
+useless without its head). New keys enter as most recently used, in call order.
+
+With the request hooks (``on_new_request`` / ``on_request_finished``, which the scheduler
+always calls) it also keeps each request's blocks deepest least recent:
+
+* while a request runs, the absent keys its touch named are reserved for it; when a
+  store brings them in, the request's resident keys are walked in reverse once more, so
+  its new blocks sit *below* the prefix it reused and no eviction takes that prefix
+  before the suffix stored after it (otherwise the suffix would be above it). Keys of the
+  same store that its touch did not name (blocks it generated) stay below that run;
+* when it finishes, every key of the request is re-ranked at the most recent end,
+  deepest least recent, by token position across KV-cache groups (as vLLM 0.32's LRU does
+  at the end of a request). Until then a block stored on its own without a reservation
+  (one generated while decoding) sits above its request's prefix.
+
+Reservations are bounded (``max(capacity, 1024)`` keys; past that the older half is
+dropped at once) and dropped when their key is stored. Without the hooks (a replay that
+never announces requests) no reservation is made and the order is plain LRU over touches
+and stores.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Collection, Sequence, Set
+from itertools import islice, repeat
 
 from kvoffload.keys import OffloadKey
+from kvoffload.manager import RequestContext, prefix_order
 from kvoffload.policies.base import BlockStatus, CachePolicy, evictable_keys
 
 
@@ -20,12 +40,24 @@ class LRUPolicy(CachePolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._order: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self._running: set[str] = set()  # announced requests not finished yet
+        # absent key -> every key of the touch that named it (its request's run)
+        self._reserved: dict[OffloadKey, tuple[OffloadKey, ...]] = {}
+        self._reserve_limit = max(capacity, 1024)
 
     def insert(self, key: OffloadKey, status: BlockStatus) -> None:
-        self._order[key] = status
+        self.insert_many((key,), (status,))
 
     def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
-        self._order.update(zip(keys, statuses))
+        order = self._order
+        order.update(zip(keys, statuses))
+        reserved = self._reserved
+        if not reserved:
+            return
+        runs = {id(run): run for run in map(reserved.pop, keys, repeat(None)) if run is not None}
+        for run in runs.values():
+            # the run's resident keys, deepest first, to the most recent end (C loops)
+            deque(map(order.move_to_end, filter(order.__contains__, reversed(run))), maxlen=0)
 
     def remove(self, key: OffloadKey) -> None:
         self._order.pop(key, None)
@@ -33,12 +65,44 @@ class LRUPolicy(CachePolicy):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         order = self._order
         move = order.move_to_end
-        for key in reversed(keys):
-            if key in order:
-                move(key)
+        if not self._running:
+            for key in reversed(keys):
+                if key in order:
+                    move(key)
+            return
+        absent = [key for key in keys if key not in order]
+        if len(absent) < len(keys):
+            for key in reversed(keys):
+                if key in order:
+                    move(key)
+        if absent:
+            reserved = self._reserved
+            reserved.update(dict.fromkeys(absent, tuple(keys)))
+            if len(reserved) > self._reserve_limit:  # forget the oldest half at once
+                for key in list(islice(reserved, len(reserved) - self._reserve_limit // 2)):
+                    del reserved[key]
+
+    def on_new_request(self, request: RequestContext) -> None:
+        self._running.add(request.request_id)
+
+    def on_request_finished(
+        self,
+        request: RequestContext,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        inserted: Set[OffloadKey],
+        reused: Set[OffloadKey],
+    ) -> None:
+        self._running.discard(request.request_id)
+        order = self._order
+        keys = reversed(prefix_order(request, key_groups))
+        deque(map(order.move_to_end, filter(order.__contains__, keys)), maxlen=0)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
         order = self._order
+        if n > len(order):
+            return None
         victims = evictable_keys(order, n, protected)
         if len(victims) < n:
             return None
@@ -48,3 +112,5 @@ class LRUPolicy(CachePolicy):
 
     def clear(self) -> None:
         self._order.clear()
+        self._running.clear()
+        self._reserved.clear()

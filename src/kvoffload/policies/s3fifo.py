@@ -73,6 +73,8 @@ class S3FIFOPolicy(CachePolicy):
         if n <= 0:
             return []
         small, main, freq = self._small, self._main, self._freq
+        if n > len(freq):
+            return None
         victims: list[tuple[OffloadKey, BlockStatus, bool]] = []  # (key, status, from S)
         while len(victims) < n:
             key = None

@@ -31,19 +31,33 @@ Two more rules:
 The fixed configuration, the same for every trace and capacity: ``levels=4``,
 ``gap_weight=0.01``, ``ghost_factor=3``. The only scale, ``G``, is measured online.
 
-Mapping onto the tier protocol: ``touch`` sees a request's keys just before the manager
-stores the missing ones with ``insert_many``; the policy remembers that request's level
-and applies it to the keys stored next if they belong to it (other keys get level 0).
-``touch`` walks the keys in reverse so a prefix's head is used last, and evicted last
-within its level. Keys in flight or pinned, and keys the caller protects, are skipped.
+Mapping onto the tier protocol: ``touch`` is a request's one use of its keys (the
+scheduler touches once per request, at its match). It computes the request's level and
+reserves it for each absent key it names; a key stored later takes its reservation
+(level, and whether it was the touch's last key), whoever else touched or stored in
+between; a key stored without one gets level 0. Reservations are bounded
+(``max(capacity, 1024)`` keys, oldest dropped first). ``touch`` walks the keys in reverse
+so a prefix's head is used last, and evicted last within its level. Keys in flight or
+pinned, and keys the caller protects, are skipped.
+
+With the request hooks (the scheduler's path) the request context replaces the rest of
+the inference: time counts announced requests (``on_new_request``; the request's touches,
+one per KV-cache group, follow it directly and share its level), and at
+``on_request_finished`` the request's inserted blocks that a lower level holds (blocks it
+generated, never named by its touch) take its level, and its deepest block goes to the
+final queue only if the request ended with it: it inserted it and its touch named it last
+(a request that went on to generate whole blocks had no partial final block). Without
+the hooks (a trace replay) time counts touches and a stored key that its touch named last
+is final at once.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Sequence, Set
 
 from kvoffload.keys import OffloadKey
+from kvoffload.manager import RequestContext
 from kvoffload.policies.base import BlockStatus, CachePolicy
 from kvoffload.validation import positive_int
 
@@ -73,8 +87,12 @@ class TurnLRUPolicy(CachePolicy):
         self._ghost: OrderedDict[OffloadKey, tuple[int, int]] = OrderedDict()  # level, time
         self._clock = 0
         self._gap: float | None = None
-        self._request: Sequence[OffloadKey] = ()
-        self._request_level = 0
+        # absent key -> (level of the request whose touch named it, named last by it)
+        self._reserved: OrderedDict[OffloadKey, tuple[int, bool]] = OrderedDict()
+        self._reserve_limit = max(capacity, 1024)
+        # announced requests: id -> [level, keys its touches named last]
+        self._running: dict[str, tuple[list[int], set[OffloadKey]]] = {}
+        self._current: str | None = None  # the request announced last (its touches follow)
 
     @property
     def turn_gap(self) -> float | None:
@@ -87,24 +105,20 @@ class TurnLRUPolicy(CachePolicy):
         self.insert_many([key], [status])
 
     def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
-        request = self._request
-        members = set(request) if request else ()
         queues, levels, ghost, clock = self._queues, self._level, self._ghost, self._clock
-        births = self._birth
+        births, reserved = self._birth, self._reserved
+        finals = self.levels if not self._running else -1  # with the hooks: at the finish
         for key, status in zip(keys, statuses):
             old = levels.get(key)
             if old is not None:
                 del queues[old][key]
-            level = self._request_level if key in members else 0
+            level, last = reserved.pop(key, (0, False))
+            births[key] = level
+            if last and finals >= 0:
+                level = finals
             queues[level][key] = (status, clock)
             levels[key] = level
-            births[key] = level
             ghost.pop(key, None)
-        if keys and request and keys[-1] == request[-1]:
-            last = keys[-1]
-            entry = queues[levels[last]].pop(last)
-            queues[self.levels][last] = entry
-            levels[last] = self.levels
 
     def remove(self, key: OffloadKey) -> None:
         level = self._level.pop(key, None)
@@ -113,7 +127,8 @@ class TurnLRUPolicy(CachePolicy):
             del self._birth[key]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        self._clock += 1
+        if self._current is None:
+            self._clock += 1  # no announced request: each touch is one
         clock = self._clock
         queues, levels, ghost = self._queues, self._level, self._ghost
         # Leading keys known (resident or remembered): the request's reuse depth.
@@ -128,32 +143,74 @@ class TurnLRUPolicy(CachePolicy):
             else:
                 break
             depth += 1
+        request_level = 0
         if depth >= 2 and deepest is not None:
             level, last_use = deepest
-            self._request_level = min(self.levels - 1, level + 1)
+            request_level = min(self.levels - 1, level + 1)
             gap = clock - last_use
             if self._gap is None:
                 self._gap = float(gap)
             else:
                 self._gap += self.gap_weight * (gap - self._gap)
-        else:
-            self._request_level = 0
-        self._request = keys
-        request_level = self._request_level
+        running = self._running.get(self._current) if self._current is not None else None
+        if running is not None:
+            running[0][0] = max(running[0][0], request_level)
+            if keys:
+                running[1].add(keys[-1])
+        reserved = self._reserved
+        final = keys[-1] if keys else None
         for key in reversed(keys):
             queue = levels.get(key)
             if queue is None:
+                reserved.pop(key, None)
+                reserved[key] = (request_level, key == final)
                 continue
             status = queues[queue].pop(key)[0]
             level = max(0 if queue == self.levels else queue, request_level)
             queues[level][key] = (status, clock)
             levels[key] = level
+        while len(reserved) > self._reserve_limit:
+            reserved.popitem(last=False)
+
+    # -- request hooks -------------------------------------------------------------
+
+    def on_new_request(self, request: RequestContext) -> None:
+        self._clock += 1
+        self._current = request.request_id
+        self._running[request.request_id] = ([0], set())
+
+    def on_request_finished(
+        self,
+        request: RequestContext,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        inserted: Set[OffloadKey],
+        reused: Set[OffloadKey],
+    ) -> None:
+        entry = self._running.pop(request.request_id, None)
+        if self._current == request.request_id:
+            self._current = None
+        if entry is None:
+            return
+        (level,), named_last = entry
+        queues, levels, births, finals = self._queues, self._level, self._birth, self.levels
+        for key in inserted:
+            queue = levels.get(key)
+            if queue is not None and queue < level:
+                queues[level][key] = (queues[queue].pop(key)[0], self._clock)
+                levels[key] = births[key] = level
+        for keys in key_groups:
+            last = keys[-1] if keys else None
+            if last in inserted and last in named_last and levels.get(last, finals) != finals:
+                queues[finals][last] = queues[levels[last]].pop(last)
+                levels[last] = finals
 
     # -- eviction ------------------------------------------------------------------
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
+        if n > len(self._level):
+            return None
         queues = self._queues
         step = self._gap or 0.0
         iterators = [iter(queue.items()) for queue in queues]
@@ -203,5 +260,6 @@ class TurnLRUPolicy(CachePolicy):
         self._ghost.clear()
         self._clock = 0
         self._gap = None
-        self._request = ()
-        self._request_level = 0
+        self._reserved.clear()
+        self._running.clear()
+        self._current = None

@@ -98,6 +98,8 @@ class WTinyLFUPolicy(CachePolicy):
         if n <= 0:
             return []
         window = self._window
+        if n > len(window) + len(self._probation) + len(self._protected):
+            return None
         victims: list[tuple[OffloadKey, BlockStatus, _Segment]] = []
         main_share = self.capacity - self.window_target
         while len(victims) < n:

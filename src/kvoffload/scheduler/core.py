@@ -14,10 +14,12 @@ offloaded; the trailing partial block never is. Device blocks equal to ``null_bl
 
 Request lifecycle:
 
-1. ``match(request, num_computed_tokens)``: how many tokens beyond the engine's own cache
-   can be loaded: leading ``HIT``s of every group, whole offloaded blocks, at most all
+1. ``match(request, num_computed_tokens, hints)``: how many tokens beyond the engine's own
+   cache can be loaded: leading ``HIT``s of every group, whole offloaded blocks, at most all
    prompt tokens but one (the engine must compute one to sample). ``None`` while a needed
-   key is ``PENDING`` or ``RETRY`` (ask again next step). Touches the request's blocks once.
+   key is ``PENDING`` or ``RETRY`` (ask again next step). The first match announces the
+   request to the manager (``on_new_request`` with a ``RequestContext`` carrying the
+   engine's ``hints``) and touches the request's blocks, once.
    After a failed load of a request, always 0 for it: the engine recomputes, and a request
    is never sent round the same failing load twice.
 2. ``on_allocated(req_id, block_ids, num_external_tokens)``: the engine allocated device
@@ -25,21 +27,30 @@ Request lifecycle:
 3. ``build_step(scheduled)``: returns the ``StepPlan``: planned loads, and stores of every
    offloaded block whose tokens are computed once this step has run.
 4. ``complete_jobs(results)``: completes loads (unpin) and stores (loadable, or rolled back).
-5. ``request_finished(req_id)``: ``True`` when the engine must hold the request's device
-   blocks until its jobs complete (listed in the next plan's ``hold_blocks``);
-   ``take_freeable()`` then names the requests whose blocks may be freed.
+5. ``request_finished(req_id)`` (finished or aborted): ``True`` when the engine must hold
+   the request's device blocks until its jobs complete (listed in the next plan's
+   ``hold_blocks``); ``take_freeable()`` then names the requests whose blocks may be freed.
+   Once no job of it is in flight the manager hears ``on_request_finished`` with the
+   request's keys, those its stores inserted and those its loads reused (the contract in
+   ``kvoffload.manager`` says exactly when it fires, on every path).
+
+Reuse filter: with ``store_threshold=n > 1`` a block is offered for storing only once
+``n`` requests asked for it (``kvoffload.scheduler.reuse``); the blocks held back are
+counted in ``stats.skipped_stores``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvoffload.counters import Counters
 from kvoffload.events.types import KVEvent
 from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
-from kvoffload.manager import LookupResult, OffloadingManager
+from kvoffload.manager import LookupResult, OffloadingManager, RequestContext
 from kvoffload.scheduler.events import EventConverter
+from kvoffload.scheduler.reuse import DEFAULT_MEMORY, ReuseFilter
 from kvoffload.scheduler.types import KVGroup, RequestView, StepPlan, StepRequest, TransferJob
 from kvoffload.specs import DeviceLoadStoreSpec
 from kvoffload.validation import positive_int
@@ -57,6 +68,7 @@ class SchedulerStats(Counters):
     failed_loads: int = 0
     failed_stores: int = 0
     failed_tier_transfers: int = 0  # write-through or promotion copies between tiers
+    skipped_stores: int = 0  # blocks held back by the reuse filter (store_threshold)
 
 
 @dataclass
@@ -71,13 +83,21 @@ class _Job:
 @dataclass
 class _RequestState:
     request: RequestView
+    context: RequestContext
     block_ids: list[list[int]]
     stored_blocks: list[int]  # per group: offloaded blocks already stored or skipped
+    touched_blocks: list[int]  # per group: offloaded blocks its match touched
     jobs: set[int] = field(default_factory=set)
     touched: bool = False
     finished: bool = False
     matched_from: int = 0  # the engine-cached tokens at the last match
     load_failed: bool = False  # a load for it failed: the engine recomputes, never retry
+    computed_tokens: int = 0  # the most tokens whose KV it had
+    loaded_blocks: list[int] = field(default_factory=list)  # per group: blocks a load reached
+    keys: list[list[OffloadKey]] = field(default_factory=list)  # per group, from block 0
+    inserted: set[OffloadKey] = field(default_factory=set)  # its completed stores' keys
+    reused: set[OffloadKey] = field(default_factory=set)  # its completed loads' keys
+    announced: bool = True  # on_new_request said, on_request_finished not yet
 
 
 class OffloadingScheduler:
@@ -92,7 +112,11 @@ class OffloadingScheduler:
         kv_events: str = "self_describing",
         hasher: BlockHasher | None = None,
         null_block_id: int | None = None,
+        store_threshold: int = 1,
+        store_threshold_memory: int = DEFAULT_MEMORY,
     ) -> None:
+        """``store_threshold``: requests that must ask for a block before it is stored
+        (1 = store every block); ``store_threshold_memory``: keys whose count is kept."""
         if not groups:
             raise ValueError("at least one KV-cache group is needed")
         positive_int("blocks_per_offload_block", blocks_per_offload_block)
@@ -120,12 +144,17 @@ class OffloadingScheduler:
         self._hold: dict[str, list[int]] = {}
         self._flush: dict[str, list[int]] = {}
         self._freeable: set[str] = set()
+        self._reuse = ReuseFilter(store_threshold, store_threshold_memory)
         self.stats = SchedulerStats()
 
     # -- matching ----------------------------------------------------------------------
 
-    def match(self, request: RequestView, num_computed_tokens: int) -> int | None:
-        state = self._state(request)
+    def match(
+        self, request: RequestView, num_computed_tokens: int, hints: Mapping[str, Any] | None = None
+    ) -> int | None:
+        """``hints``: what the engine passed with the request for offloading (vLLM's
+        ``kv_transfer_params``); the first match's go into the request's context."""
+        state = self._state(request, hints)
         state.matched_from = num_computed_tokens
         if state.load_failed:
             return 0
@@ -133,7 +162,10 @@ class OffloadingScheduler:
         if not state.touched:
             state.touched = True
             for g in range(len(self.groups)):
-                self.manager.touch(self._keys(hashes, g, 0, self._num_full(hashes, g)))
+                keys = self._request_keys(state, hashes, g, 0, self._num_full(hashes, g))
+                state.touched_blocks[g] = len(keys)
+                self._reuse.count(keys)
+                self.manager.touch(keys)
         # The engine must compute at least one prompt token itself.
         limit = request.num_prompt_tokens - 1
         hit_tokens = limit
@@ -142,7 +174,7 @@ class OffloadingScheduler:
             end = min(self._num_full(hashes, g), -(-limit // tokens))
             hits = start
             waiting = False
-            for key in self._keys(hashes, g, start, end):
+            for key in self._request_keys(state, hashes, g, start, end):
                 result = self.manager.lookup(key)
                 if result is LookupResult.HIT:
                     if not waiting:
@@ -169,11 +201,12 @@ class OffloadingScheduler:
         if len(block_ids) != len(self.groups):
             raise ValueError(f"expected block ids for {len(self.groups)} groups, got {len(block_ids)}")
         state.block_ids = [list(ids) for ids in block_ids]
+        num_computed_tokens = state.matched_from
+        end_tokens = num_computed_tokens + max(0, num_external_tokens)
+        state.computed_tokens = max(state.computed_tokens, end_tokens)
         if num_external_tokens <= 0:
             return
         hashes = self._hashes(state.request)
-        num_computed_tokens = state.matched_from
-        end_tokens = num_computed_tokens + num_external_tokens
         keys: list[OffloadKey] = []
         device_ids: list[int] = []
         sizes: list[int] = []
@@ -185,7 +218,8 @@ class OffloadingScheduler:
             first_device = self._first_present(
                 state.block_ids[g], num_computed_tokens // block_size, last * f
             )
-            keys += self._keys(hashes, g, first_device // f, last)
+            keys += self._request_keys(state, hashes, g, first_device // f, last)
+            state.loaded_blocks[g] = max(state.loaded_blocks[g], last)
             ids = state.block_ids[g][first_device : last * f]
             device_ids += ids
             sizes.append(len(ids))
@@ -210,6 +244,7 @@ class OffloadingScheduler:
             state = self._requests.get(step.req_id)
             if state is None:
                 continue
+            state.computed_tokens = max(state.computed_tokens, step.num_computed_tokens)
             if step.new_block_ids is not None:
                 if step.replace_block_ids:
                     state.block_ids = [list(ids) for ids in step.new_block_ids]
@@ -238,12 +273,20 @@ class OffloadingScheduler:
             if end <= start:
                 continue
             device = state.block_ids[g]
+            keys = self._request_keys(state, hashes, g, start, end)
+            if self._reuse.active:
+                # blocks its match did not touch (it generated them) are asked for now, once
+                self._reuse.count(keys[max(0, state.touched_blocks[g] - start) :])
             candidates += [
                 (g, j, key)
-                for j, key in zip(range(start, end), self._keys(hashes, g, start, end))
+                for j, key in zip(range(start, end), keys)
                 if self.null_block_id not in device[j * f : (j + 1) * f]
             ]
             state.stored_blocks[g] = end
+        if self._reuse.active:
+            allowed = [c for c in candidates if self._reuse.allows(c[2])]
+            self.stats.skipped_stores += len(candidates) - len(allowed)
+            candidates = allowed
         if not candidates:
             return None
         out = self.manager.prepare_store([key for _, _, key in candidates])
@@ -274,6 +317,7 @@ class OffloadingScheduler:
             job = self._jobs.pop(job_id, None)
             if job is None:
                 raise KeyError(f"unknown transfer job {job_id}")
+            state = self._requests.get(job.req_id)
             if job_id in self._stale_jobs:
                 # its keys went with the reset; the tier may have reserved them afresh
                 self._stale_jobs.discard(job_id)
@@ -285,6 +329,8 @@ class OffloadingScheduler:
                 self.manager.complete_store(job.keys, success)
                 if success:
                     self.stats.blocks_stored += len(job.keys)
+                    if state is not None:
+                        state.inserted.update(job.keys)
                 else:
                     self.stats.failed_stores += 1
                     self._events.forget(job.keys)
@@ -292,17 +338,18 @@ class OffloadingScheduler:
                 self.manager.complete_load(job.keys)
                 if success:
                     self.stats.blocks_loaded += len(job.keys)
+                    if state is not None:
+                        state.reused.update(job.keys)
                 else:
                     self.stats.failed_loads += 1
-                    failed = self._requests.get(job.req_id)
-                    if failed is not None:
-                        failed.load_failed = True
-            state = self._requests.get(job.req_id)
+                    if state is not None:
+                        state.load_failed = True
             if state is not None:
                 state.jobs.discard(job_id)
                 if state.finished and not state.jobs:
                     del self._requests[job.req_id]
                     self._freeable.add(job.req_id)
+                    self._finish(state)
 
     def request_finished(self, req_id: str) -> bool:
         """Whether the engine must hold the request's device blocks until its jobs finish."""
@@ -319,6 +366,7 @@ class OffloadingScheduler:
             state.jobs.discard(load.job_id)
         if not state.jobs:
             del self._requests[req_id]
+            self._finish(state)
             return False
         state.finished = True
         self._hold[req_id] = sorted(state.jobs)
@@ -357,11 +405,16 @@ class OffloadingScheduler:
         self._stale_jobs.update(self._jobs)
         for state in self._requests.values():
             state.stored_blocks = [0] * len(self.groups)
+            self._finish(state)  # no request's lifecycle spans a reset
         self._wire_events += self._events.convert(self.manager.take_events())
         self.manager.reset()
         self.manager.take_events()  # the reset's own removals are said by AllBlocksCleared
         self._events.clear()
         self._wire_events.append(self._events.cleared())
+        for state in self._requests.values():
+            if not state.finished:  # still running: announced afresh
+                state.inserted, state.reused, state.announced = set(), set(), True
+                self.manager.on_new_request(state.context)
 
     @property
     def num_requests(self) -> int:
@@ -369,13 +422,31 @@ class OffloadingScheduler:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _state(self, request: RequestView) -> _RequestState:
+    def _state(self, request: RequestView, hints: Mapping[str, Any] | None) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             n = len(self.groups)
-            state = _RequestState(request, [[] for _ in range(n)], [0] * n)
+            context = RequestContext(request.request_id, hints or {}, tuple(self._tokens))
+            state = _RequestState(request, context, [[] for _ in range(n)], [0] * n, [0] * n)
+            state.keys, state.loaded_blocks = [[] for _ in range(n)], [0] * n
             self._requests[request.request_id] = state
+            self.manager.on_new_request(context)
         return state
+
+    def _finish(self, state: _RequestState) -> None:
+        """Tell the manager the request ended (once per ``on_new_request``)."""
+        if not state.announced:
+            return
+        state.announced = False
+        hashes = self._hashes(state.request)
+        key_groups = []
+        for g, tokens in enumerate(self._tokens):
+            blocks = max(state.computed_tokens // tokens, state.loaded_blocks[g])
+            key_groups.append(self._request_keys(state, hashes, g, 0, min(self._num_full(hashes, g), blocks)))
+        # the sets are the request's own: it is forgotten (or they are replaced) after this
+        self.manager.on_request_finished(
+            state.context, key_groups, state.inserted, state.reused - state.inserted
+        )
 
     def _hashes(self, request: RequestView) -> Sequence[bytes]:
         hashes = request.block_hashes
@@ -397,6 +468,15 @@ class OffloadingScheduler:
 
     def _hash_at(self, hashes: Sequence[bytes], g: int, j: int) -> bytes:
         return hashes[(j + 1) * self._tokens[g] // self.hash_block_size - 1]
+
+    def _request_keys(
+        self, state: _RequestState, hashes: Sequence[bytes], g: int, start: int, end: int
+    ) -> list[OffloadKey]:
+        """``_keys`` of the request, made once each (a request's hashes only ever grow)."""
+        known = state.keys[g]
+        if len(known) < end:
+            known += self._keys(hashes, g, len(known), end)
+        return known[start:end]
 
     def _keys(self, hashes: Sequence[bytes], g: int, start: int, end: int) -> list[OffloadKey]:
         step = self._tokens[g] // self.hash_block_size

@@ -12,6 +12,8 @@ Keys:
 * ``secondary_tiers``: tiers below the CPU tier, as vLLM 0.32 configures them:
   ``[{"type": "fs", "root_dir": "/path", "bytes_to_use": N, ...}]`` (see
   ``kvoffload.tiers.secondary``; out-of-tree tiers by ``"package.module:ClassName"``).
+* ``store_threshold``: store a block only once this many requests asked for it, a
+  positive int (default 1: store every block; vLLM 0.32's key of the same name).
 
 Every error is a ``ValueError`` whose message names the key and the bad value.
 """
@@ -27,15 +29,24 @@ from kvoffload.tiers.factory import TierConfig
 from kvoffload.tiers.secondary import parse_secondary_tiers
 from kvoffload.validation import positive_int
 
-KNOWN_KEYS = ("cpu_bytes_to_use", "block_size", "eviction_policy", "kv_events", "secondary_tiers")
+KNOWN_KEYS = (
+    "cpu_bytes_to_use",
+    "block_size",
+    "eviction_policy",
+    "kv_events",
+    "secondary_tiers",
+    "store_threshold",
+)
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """The tiers to build (``kvoffload.tiers.factory``) and the form of their KV events."""
+    """The tiers to build (``kvoffload.tiers.factory``), the form of their KV events, and
+    the scheduler's reuse filter (``store_threshold``)."""
 
     tiers: TierConfig
     kv_events: str
+    store_threshold: int = 1
 
 
 def _positive_int(extra: Mapping[str, Any], key: str) -> int:
@@ -61,6 +72,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
                 f"kv_connector_extra_config['block_size'] must be a multiple of the engine block size "
                 f"{engine_block_size}, got {block_size}"
             )
+    store_threshold = _positive_int(extra, "store_threshold") if "store_threshold" in extra else 1
     events = extra.get("kv_events", "self_describing")
     if events not in EVENT_MODES:
         raise ValueError(
@@ -75,4 +87,4 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
         )
     except ValueError as exc:
         raise ValueError(f"kv_connector_extra_config: {exc}") from None
-    return OffloadConfig(tiers, events)
+    return OffloadConfig(tiers, events, store_threshold)

@@ -62,6 +62,7 @@ class SchedulerSide:
             blocks_per_offload_block=tiers.blocks_per_offload_block,
             kv_events=config.kv_events,
             null_block_id=NULL_BLOCK_ID,
+            store_threshold=config.store_threshold,
         )
         self._num_workers = vllm_config.parallel_config.world_size
         self._reports: dict[int, tuple[int, bool]] = {}
@@ -69,7 +70,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        tokens = self.scheduler.match(request, num_computed_tokens)
+        # vLLM's kv_transfer_params become the request context's hints (tiers may read them)
+        tokens = self.scheduler.match(request, num_computed_tokens, request.kv_transfer_params)
         if tokens is None:
             return None, False
         return tokens, tokens > 0
