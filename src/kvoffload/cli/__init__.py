@@ -7,10 +7,11 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("demo", "events", "sim")
+SUBCOMMANDS = ("demo", "events", "index", "sim")
 DESCRIPTION = (
     "kvoffload: offload the KV cache of LLM serving engines to cheaper tiers. "
-    "Run the engine demo, replay traces for capacity planning, or inspect KV event streams."
+    "Run the engine demo, replay traces for capacity planning, inspect KV event streams, "
+    "or serve a KV-block index of many engines."
 )
 
 

@@ -16,6 +16,7 @@ _EXPORTS = {
     "END_SEQ": "kvoffload.events.publisher",
     "PublisherStats": "kvoffload.events.publisher",
     "ZmqEventPublisher": "kvoffload.events.publisher",
+    "Delivery": "kvoffload.events.subscriber",
     "EventSubscriber": "kvoffload.events.subscriber",
     "SubscriberStats": "kvoffload.events.subscriber",
     "HASH_FORMATS": "kvoffload.events.types",

@@ -18,7 +18,11 @@ Contract:
   decode, is skipped and counted as ``malformed``; it is not requested again.
 * ``stats()`` counts: ``decoded`` = ``live`` + ``replayed`` batches delivered, ``lost``,
   ``malformed``, ``duplicates`` (already delivered, skipped), ``restarts``,
-  ``replay_requests``.
+  ``replay_requests``, ``replay_timeouts`` (requests no replay answered in time).
+* ``receive_delivery(timeout)`` is ``receive`` for consumers that keep state derived from
+  the stream (an index): each ``Delivery`` also says in which publisher lifetime it was
+  sent (``epoch``, the restarts seen before it), how many batches of that lifetime before
+  it will never be delivered (``gap``: lost, or undecodable), and whether it came by replay.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import zmq
 
@@ -53,6 +58,17 @@ class SubscriberStats(Counters):
     duplicates: int = 0
     restarts: int = 0
     replay_requests: int = 0
+    replay_timeouts: int = 0
+
+
+class Delivery(NamedTuple):
+    """One delivered batch and where it stands in the stream (see ``receive_delivery``)."""
+
+    seq: int
+    batch: KVEventBatch
+    epoch: int  # publisher restarts seen before this batch was delivered
+    gap: int  # batches of this publisher lifetime missing since the previous delivery
+    replayed: bool  # delivered from the replay endpoint, not the live stream
 
 
 def _connect_address(endpoint: str | int, rank: int) -> str:
@@ -96,7 +112,8 @@ class EventSubscriber:
         self._ctx = context or zmq.Context.instance()
         self._expected: int | None = start_seq  # next sequence number to deliver
         self._last_live: int | None = None
-        self._ready: deque[tuple[int, KVEventBatch]] = deque()
+        self._ready: deque[Delivery] = deque()
+        self._gap = 0  # batches missing since the last delivery, in this publisher lifetime
         # Payload hashes of batches replay delivered ahead of the live stream: their live
         # copies are duplicates only if they are the same bytes.
         self._ahead: dict[int, int] = {}
@@ -116,6 +133,11 @@ class EventSubscriber:
 
     def receive(self, timeout: float | None = None) -> tuple[int, KVEventBatch] | None:
         """The next batch in order, or ``None`` if none is ready within ``timeout`` seconds."""
+        delivery = self.receive_delivery(timeout)
+        return None if delivery is None else (delivery.seq, delivery.batch)
+
+    def receive_delivery(self, timeout: float | None = None) -> Delivery | None:
+        """Like ``receive``, with the batch's lifetime, preceding gap and origin."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._ready:
             wait_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
@@ -149,6 +171,11 @@ class EventSubscriber:
         ``start_seq`` is ``None``)."""
         return self._expected
 
+    @property
+    def pending_gap(self) -> int:
+        """Batches known missing that no delivery has reported yet (its ``gap`` will)."""
+        return self._gap
+
     def stats(self) -> SubscriberStats:
         return self._stats.snapshot()
 
@@ -175,6 +202,7 @@ class EventSubscriber:
             self._stats.restarts += 1
             logger.warning("KV event publisher restarted (live seq %d, expected %s)", seq, self._expected)
             self._expected = self._start_seq
+            self._gap = 0  # what the old publisher's stream missed is no gap in the new one
             self._ahead.clear()
             self._ahead_order.clear()
         self._last_live = seq
@@ -202,6 +230,7 @@ class EventSubscriber:
             batch = decode(payload)
         except EventDecodeError as exc:
             self._stats.malformed += 1
+            self._gap += 1
             logger.warning("skipping KV event batch %d: %s", seq, exc)
             return
         self._stats.decoded += 1
@@ -209,7 +238,8 @@ class EventSubscriber:
             self._stats.live += 1
         else:
             self._stats.replayed += 1
-        self._ready.append((seq, batch))
+        self._ready.append(Delivery(seq, batch, self._stats.restarts, self._gap, not live))
+        self._gap = 0
 
     def _repair(self, start: int, until: int | None) -> None:
         """Deliver replayed batches from ``start``; count as lost what misses below ``until``."""
@@ -217,6 +247,7 @@ class EventSubscriber:
             self._read_replay()
         if until is not None and self._expected is not None and self._expected < until:
             self._stats.lost += until - self._expected
+            self._gap += until - self._expected
             self._expected = until
 
     def _request_replay(self, start: int) -> bool:
@@ -234,6 +265,7 @@ class EventSubscriber:
         assert sock is not None
         while True:
             if not sock.poll(self._replay_timeout_ms):
+                self._stats.replay_timeouts += 1
                 logger.warning("KV event replay from %s timed out", self.replay_endpoint)
                 # A late answer must not be mistaken for the next request's, so start afresh.
                 sock.close(linger=0)
@@ -252,6 +284,7 @@ class EventSubscriber:
                 continue
             if seq > self._expected:
                 self._stats.lost += seq - self._expected  # fell out of the publisher's buffer
+                self._gap += seq - self._expected
             self._ahead[seq] = hash(frames[3])
             self._ahead_order.append(seq)
             if len(self._ahead_order) > _AHEAD_LIMIT:

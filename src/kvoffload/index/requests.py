@@ -1,0 +1,128 @@
+"""The HTTP API's request bodies: decoding and validation, errors naming the field.
+
+Contract: ``parse(kind, body)`` returns the request struct of ``kind`` (``register``,
+``unregister``, ``query``, ``query_by_hash``) or raises ``BadRequest(field, message)``
+whose message names the field and, where there is one, the bad value. Unknown fields are
+ignored. Mooncake's names are accepted as aliases: ``model`` and ``modelname`` for
+``model_name``, ``seq_hashes`` for ``block_hashes``.
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+
+import msgspec
+import numpy as np
+
+_I64_MIN = -(1 << 63)
+_U64_LIMIT = 1 << 64
+_FIELD = re.compile(r"`\$\.([A-Za-z_]+)|field `([A-Za-z_]+)`")
+
+
+class BadRequest(ValueError):
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class _Named(msgspec.Struct):
+    model_name: str | None = None
+    model: str | None = None
+    modelname: str | None = None
+
+    def model_(self) -> str:
+        name = self.model_name or self.model or self.modelname
+        if not name:
+            raise BadRequest("model_name", "model_name is required and must be a non-empty string")
+        return name
+
+
+class RegisterRequest(_Named):
+    instance_id: int | str | None = None
+    endpoint: str | None = None
+    block_size: int | None = None
+    tenant_id: str = "default"
+    dp_rank: int = 0
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class UnregisterRequest(_Named):
+    instance_id: int | str | None = None
+    tenant_id: str | None = None
+    dp_rank: int | None = None
+
+
+class QueryRequest(_Named):
+    token_ids: list[int] | None = None
+    tenant_id: str = "default"
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class QueryByHashRequest(_Named):
+    block_hashes: list[int] | None = None
+    seq_hashes: list[int] | None = None
+    tenant_id: str = "default"
+    lora_name: str | None = None
+
+
+_TYPES: dict[str, type[_Named]] = {
+    "register": RegisterRequest,
+    "unregister": UnregisterRequest,
+    "query": QueryRequest,
+    "query_by_hash": QueryByHashRequest,
+}
+_DECODERS = {kind: msgspec.json.Decoder(cls) for kind, cls in _TYPES.items()}
+
+
+def parse(kind: str, body: bytes) -> _Named:
+    if not body:
+        raise BadRequest(None, "the request body must be a JSON object, got an empty body")
+    try:
+        request = _DECODERS[kind].decode(body)
+    except msgspec.ValidationError as exc:
+        match = _FIELD.search(str(exc))
+        field = next((g for g in match.groups() if g), None) if match else None
+        raise BadRequest(field, f"invalid {field or 'request'}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(None, f"the request body is not valid JSON: {exc}") from None
+    request.model_()  # every request names a model
+    if isinstance(request, RegisterRequest):
+        _require(request, "instance_id", "endpoint", "block_size")
+    elif isinstance(request, UnregisterRequest):
+        _require(request, "instance_id")
+    elif isinstance(request, QueryRequest):
+        _require(request, "token_ids")
+        if request.token_ids and min(request.token_ids) < 0:
+            raise BadRequest("token_ids", f"token_ids must be non-negative, got {min(request.token_ids)}")
+    elif isinstance(request, QueryByHashRequest):
+        if request.block_hashes is None:
+            request.block_hashes = request.seq_hashes
+        _require(request, "block_hashes")
+        request.block_hashes = hash_array(request.block_hashes)  # type: ignore[assignment]
+    return request
+
+
+def hash_array(hashes: list[int]) -> np.ndarray:
+    """``hashes`` as uint64: u64 values as they are, i64 negatives as two's complement;
+    ``BadRequest`` naming the first value that is neither."""
+    try:
+        return np.frombuffer(array("Q", hashes), dtype=np.uint64)
+    except OverflowError:
+        pass
+    try:
+        return np.frombuffer(array("q", hashes), dtype=np.int64).view(np.uint64)
+    except OverflowError:
+        pass
+    for h in hashes:
+        if not _I64_MIN <= h < _U64_LIMIT:
+            raise BadRequest("block_hashes", f"block_hashes must be 64-bit integers, got {h}")
+    return np.array([h & (_U64_LIMIT - 1) for h in hashes], dtype=np.uint64)
+
+
+def _require(request: msgspec.Struct, *names: str) -> None:
+    for name in names:
+        if getattr(request, name) is None:
+            raise BadRequest(name, f"{name} is required")
