@@ -7,7 +7,18 @@ With ``--disk-capacities`` a disk tier sits below the host (CPU) tier
 (``kvoffload.sim.disk``): every (policy, CPU capacity, disk capacity) is replayed, the
 table gives hit ratios of the device, CPU and disk tiers and GB read/written per tier, the
 cost model adds the disk read bandwidth (``--disk-bandwidth``), and the plot draws the hit
-ratio against the disk capacity. Belady has no two-tier replay and is left out there."""
+ratio against the disk capacity. Belady has no two-tier replay and is left out there.
+
+With ``--replicas N`` the trace is replayed over a fleet (``kvoffload.sim.fleet``): N
+engines, each with its own device tier (``--device-blocks``) and host tier (each
+``--capacities`` entry is per replica), every request routed by each ``--routing``
+policy in turn (``kvoffload.sim.routing``: round_robin, random (``--seed``),
+least_load, kv_aware by the index's tier-weighted scores under a load-balance guard,
+``--balance-threshold``). Load is the prefill tokens a replica computed over the last
+``--load-window`` requests. The table gives hit ratios per tier, load imbalance
+(max/mean) and prefill time saved per (policy, capacity, routing); the plot draws hit
+ratio and imbalance against the capacity per replica. Belady and the disk tier are left
+out there; ``--policies`` defaults to lru and ``--capacities`` to 1%,5%."""
 
 from __future__ import annotations
 
@@ -17,9 +28,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvoffload.index.tiers import TierWeights
 from kvoffload.sim.disk_plan import ADMISSION, DEFAULT_ADMISSION, plan_disk
+from kvoffload.sim.fleet import default_load_window, format_fleet_table, plan_fleet, write_fleet_plot
 from kvoffload.sim.planning import BELADY, CostModel, parse_bytes, parse_capacity, plan, validate_policies
 from kvoffload.sim.report import format_disk_table, format_table, write_csv, write_disk_plot, write_plot
+from kvoffload.sim.routing import DEFAULT_BALANCE_THRESHOLD, ROUTINGS, check_threshold, validate_routings
 from kvoffload.sim.trace import MOONCAKE_BLOCK_SIZE, TraceFormatError, read_trace
 from kvoffload.sim.workloads import WORKLOADS, builtin_workload
 
@@ -32,6 +46,8 @@ MODELS = {
 }
 DEFAULT_POLICIES = "lru,arc,s3fifo,wtinylfu,belady"
 DEFAULT_CAPACITIES = "1%,5%,10%,25%"
+FLEET_POLICIES = "lru"
+FLEET_CAPACITIES = "1%,5%"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,13 +56,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "source", help=f"a Mooncake-format JSONL trace, or a built-in workload: {', '.join(WORKLOADS)}"
     )
     p.add_argument(
-        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})"
+        "--policies",
+        default=None,
+        help=f"comma-separated (default {DEFAULT_POLICIES}; with --replicas {FLEET_POLICIES})",
     )
     p.add_argument(
         "--capacities",
-        default=DEFAULT_CAPACITIES,
+        default=None,
         help="comma-separated host sizes: '5%%' or '0.05' of the unique blocks, '2000' blocks, "
-        "or bytes like '8GiB' (default " + DEFAULT_CAPACITIES.replace("%", "%%") + ")",
+        "or bytes like '8GiB' (default " + DEFAULT_CAPACITIES.replace("%", "%%") + "; with --replicas "
+        "per replica, default " + FLEET_CAPACITIES.replace("%", "%%") + ")",
     )
     p.add_argument(
         "--disk-capacities",
@@ -83,7 +102,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=MOONCAKE_BLOCK_SIZE,
         help="tokens per block of a trace file (default 512)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of a built-in workload (default 0)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="simulate a fleet of this many engines, each with its own device and host tier "
+        "(default: one engine, no routing)",
+    )
+    p.add_argument(
+        "--routing",
+        default=None,
+        help=f"comma-separated routing policies with --replicas: {', '.join(ROUTINGS)} (default: all)",
+    )
+    p.add_argument(
+        "--balance-threshold",
+        type=float,
+        default=None,
+        help="kv_aware routes to the least loaded replica while the load imbalance (max/mean) "
+        f"exceeds this; 'inf' turns the guard off (default {DEFAULT_BALANCE_THRESHOLD})",
+    )
+    p.add_argument(
+        "--load-window",
+        type=int,
+        default=None,
+        help="requests over which a replica's load (prefill tokens it computed) is counted "
+        "(default 16 per replica)",
+    )
+    p.add_argument(
+        "--tier-weights",
+        default=None,
+        help="kv_aware's index tier weights, e.g. 'host=0.5' (default device=1,host=0.75)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of a built-in workload and of random routing (default 0)"
+    )
     p.add_argument(
         "--model",
         choices=sorted(MODELS),
@@ -117,7 +169,7 @@ def _split(text: str, flag: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cost, policies, capacities, disk_capacities, trace = _validate(args)
+        cost, policies, capacities, disk_capacities, trace, fleet = _validate(args)
     except (ValueError, TraceFormatError, OSError) as exc:
         raise SystemExit(f"kvoffload sim: {exc}") from None
     block_bytes = trace.block_size * cost.kv_bytes_per_token
@@ -131,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
         f"cost model: prefill {cost.prefill_tokens_per_s:,.0f} tokens/s, "
         f"link {cost.bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
     )
-    if disk_capacities:
+    if fleet is not None:
+        _run_fleet(args, trace, cost, policies, capacities, fleet, title, link)
+    elif disk_capacities:
         online = [name for name in policies if name.lower() != BELADY]
         if len(online) < len(policies):
             print(
@@ -170,6 +224,75 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_fleet(args, trace, cost, policies, capacities, fleet: dict, title: str, link: str) -> None:
+    online = [name for name in policies if name.lower() != BELADY]
+    if len(online) < len(policies):
+        print("belady left out: it has no fleet replay (without --replicas it is the host-tier ceiling)")
+    routings = fleet["routings"]
+    with _progress(args, len(online) * len(capacities) * len(routings)) as progress:
+        rows = plan_fleet(
+            trace,
+            online,
+            capacities,
+            routings,
+            args.replicas,
+            device_blocks=args.device_blocks,
+            cost=cost,
+            balance_threshold=fleet["balance_threshold"],
+            load_window=fleet["load_window"],
+            seed=args.seed,
+            weights=fleet["weights"],
+            progress=progress,
+        )
+    print(format_fleet_table(rows))
+    print(
+        f"{args.replicas} replicas, each with a device tier of {args.device_blocks} blocks; "
+        f"load = prefill tokens computed over the last {fleet['load_window']} requests; "
+        f"kv_aware guard at max/mean load > {fleet['balance_threshold']:g}"
+    )
+    print(f"{link}{cost.kv_bytes_per_token:,} KV bytes/token; stores overlap compute and are not charged")
+    write_csv(rows, args.csv)
+    write_fleet_plot(rows, args.png, title=f"{title} per replica, {args.replicas} replicas")
+
+
+def _validate_fleet(args: argparse.Namespace, policies: list[str], disk_capacities: list[str]) -> dict | None:
+    """The fleet options checked (``None`` without ``--replicas``, where none may be given)."""
+    options = {
+        "--routing": args.routing,
+        "--balance-threshold": args.balance_threshold,
+        "--load-window": args.load_window,
+        "--tier-weights": args.tier_weights,
+    }
+    if args.replicas is None:
+        for flag, value in options.items():
+            if value is not None:
+                raise ValueError(f"{flag} {value!r} needs --replicas")
+        return None
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if disk_capacities:
+        raise ValueError(f"--disk-capacities {args.disk_capacities!r}: no disk tier in a fleet (--replicas)")
+    if all(name.lower() == BELADY for name in policies):
+        raise ValueError(f"--policies {args.policies!r}: belady has no fleet replay")
+    try:
+        routings = validate_routings(_split(args.routing or ",".join(ROUTINGS), "--routing"))
+    except ValueError as exc:
+        raise ValueError(f"--routing: {exc}") from None
+    threshold = DEFAULT_BALANCE_THRESHOLD if args.balance_threshold is None else args.balance_threshold
+    try:
+        check_threshold(threshold)
+    except ValueError:
+        raise ValueError(f"--balance-threshold must be >= 1 (max/mean load), got {threshold!r}") from None
+    window = default_load_window(args.replicas) if args.load_window is None else args.load_window
+    if window < 1:
+        raise ValueError(f"--load-window must be >= 1, got {window}")
+    try:
+        weights = TierWeights() if args.tier_weights is None else TierWeights.parse(args.tier_weights)
+    except ValueError as exc:
+        raise ValueError(f"--tier-weights: {exc}") from None
+    return {"routings": routings, "balance_threshold": threshold, "load_window": window, "weights": weights}
+
+
 def _validate(args: argparse.Namespace):
     """Every flag checked (errors name the flag and the value) and the trace loaded."""
     kv_bytes = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else MODELS[args.model]
@@ -179,6 +302,11 @@ def _validate(args: argparse.Namespace):
         kv_bytes,
         float(_flag_bytes(args.disk_bandwidth, "--disk-bandwidth")),
     )
+    in_fleet = args.replicas is not None
+    if args.policies is None:
+        args.policies = FLEET_POLICIES if in_fleet else DEFAULT_POLICIES
+    if args.capacities is None:
+        args.capacities = FLEET_CAPACITIES if in_fleet else DEFAULT_CAPACITIES
     policies = validate_policies(_split(args.policies, "--policies"))
     capacities = _split(args.capacities, "--capacities")
     disk_capacities = (
@@ -189,6 +317,7 @@ def _validate(args: argparse.Namespace):
             raise ValueError(f"{flag} {value!r} needs --disk-capacities")
     if args.disk_policy is not None:
         validate_policies([args.disk_policy])
+    fleet = _validate_fleet(args, policies, disk_capacities)
     if disk_capacities and all(name.lower() == BELADY for name in policies):
         raise ValueError(f"--policies {args.policies!r}: belady has no replay with a disk tier")
     if args.device_blocks < 0:
@@ -203,7 +332,7 @@ def _validate(args: argparse.Namespace):
                 parse_capacity(spec, trace.unique_blocks(), block_bytes)
             except ValueError as exc:
                 raise ValueError(f"{flag}: {exc}") from None
-    return cost, policies, capacities, disk_capacities, trace
+    return cost, policies, capacities, disk_capacities, trace, fleet
 
 
 def _flag_bytes(text: str, flag: str) -> int:
