@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv test lint format demo bench clean
+.PHONY: venv test lint format demo bench clean redis-server
 
 venv: $(STAMP)
 
@@ -21,8 +21,15 @@ $(STAMP): pyproject.toml
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
-test: venv
+test: venv redis-server
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The shared-tier tests start their own redis-server (Debian package redis-server).
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "make test needs redis-server: install the Debian package redis-server (as root)"; exit 1; fi; }
 
 # ruff checks and formats with one configuration (pyproject.toml, line length 110).
 lint: venv

@@ -205,6 +205,10 @@ class CPUOffloadingManager(OffloadingManager):
         status = self._blocks.get(key)
         return None if status is None else status.ref
 
+    def keys(self) -> list[OffloadKey]:
+        """Every key held (loadable, pinned or being written), as a new list."""
+        return list(self._blocks)
+
     # -- housekeeping ----------------------------------------------------------------
 
     def take_events(self) -> list[OffloadingEvent]:

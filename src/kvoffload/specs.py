@@ -7,6 +7,7 @@ events and job routing use. Torch-free: the scheduler imports this without the w
 * ``CPULoadStoreSpec(block_ids)``: host block ids of the CPU tier (int64), in key order.
 * ``DiskLoadStoreSpec(block_ids, keys)``: slots of the local-disk tier and the key each
   holds (the worker writes the key into the block and checks it on every read).
+* ``RemoteLoadStoreSpec(keys)``: blocks of the shared remote tier, addressed by key.
 * ``DeviceLoadStoreSpec(block_ids, group_sizes, block_indices)``: the device half of a
   job. ``block_ids`` are the device block ids of every KV-cache group concatenated in
   group order; ``group_sizes[g]`` says how many belong to group ``g`` (zero is allowed: a
@@ -29,6 +30,7 @@ import numpy as np
 MEDIUM_DEVICE = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"  # the local-disk tier; its wire events say medium STORAGE, locality LOCAL
+MEDIUM_REMOTE = "REMOTE"  # the shared Redis/Valkey tier; wire: medium STORAGE, locality REMOTE
 
 
 class LoadStoreSpec(ABC):
@@ -73,6 +75,19 @@ class DiskLoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"DiskLoadStoreSpec({self.block_ids.tolist()}, {len(self.keys)} keys)"
+
+
+class RemoteLoadStoreSpec(LoadStoreSpec):
+    """Keys of blocks in the shared remote tier, in key order (the store addresses blocks
+    by key alone: there are no slots)."""
+
+    medium = MEDIUM_REMOTE
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        self.keys = list(keys)
+
+    def __repr__(self) -> str:
+        return f"RemoteLoadStoreSpec({len(self.keys)} keys)"
 
 
 class DeviceLoadStoreSpec(LoadStoreSpec):

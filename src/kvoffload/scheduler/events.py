@@ -18,7 +18,8 @@ it is written through to (which copy it while the primary holds it pinned) annou
 self-described too; it is dropped when the primary drops the key. A key announced with no
 record (e.g. a block promoted from below after a restart) gets the placeholder form.
 Secondary media go on the wire as vLLM 0.32 names them (``WIRE_TIERS``): the local-disk
-tier is ``medium="STORAGE"``, ``locality="LOCAL"``, ``ownership="fs"``.
+tier is ``medium="STORAGE"``, ``locality="LOCAL"``, ``ownership="fs"``; the shared Redis tier
+``medium="STORAGE"``, ``locality="REMOTE"``, ``ownership="redis"``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ EVENT_MODES = ("self_describing", "placeholder")
 # tier medium -> (wire medium, locality, ownership); media not listed go out unchanged
 WIRE_TIERS: dict[str, tuple[str, str | None, str | None]] = {
     "DISK": ("STORAGE", "LOCAL", "fs"),
+    "REMOTE": ("STORAGE", "REMOTE", "redis"),
 }
 
 

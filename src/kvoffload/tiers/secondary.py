@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostBlockPool
 
 # name -> "module:Class", imported on use so that a tier's dependencies load only when used
-_BUILTIN = {"fs": "kvoffload.tiers.fs.tier:FSTierType"}
+_BUILTIN = {"fs": "kvoffload.tiers.fs.tier:FSTierType", "redis": "kvoffload.tiers.redis.tier:RedisTierType"}
 
 
 @dataclass(frozen=True)

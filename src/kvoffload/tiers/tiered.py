@@ -11,18 +11,20 @@ scheduler hands to the worker:
   primary block is pinned until the copy is done, so it can be neither evicted nor
   overwritten while it is read. A failed write frees the secondary's reservation.
 * Promotion: ``lookup`` of a key the primary misses but a secondary holds answers
-  ``PENDING`` and asks for the key to be promoted. ``take_transfers`` (once per scheduler
-  step) batches the asked keys per tier: the primary reserves slots (evicting its idle
-  blocks if needed; nothing is promoted when it cannot make room), the secondary pins its
-  copies, and the copy runs. On success the block is loadable in the primary (announced by
-  the primary's own event) and the next lookup is a ``HIT``; on failure the primary frees
-  the slots and the secondary drops the block (``discard``: a failed read is a corrupt or
-  unreadable block, never retried as is). When the primary cannot make room for all the
-  asked keys (a prefix longer than the primary, or a primary full of pinned blocks), the
-  leading part that fits is promoted and the rest is *declined*: a lookup of a declined
-  key answers ``MISS`` for the next ``DECLINE_STEPS`` steps, so the request goes on with
-  what was promoted (the engine computes the rest) instead of waiting for room that may
-  never come, and a later promotion cannot evict the blocks just promoted for it.
+  ``PENDING`` and asks for the key to be promoted; while a secondary cannot tell yet (a
+  remote tier asking its server in the background) and none holds it, ``RETRY``.
+  ``take_transfers`` (once per scheduler step) batches the asked keys per tier: the
+  primary reserves slots (evicting its idle blocks if needed; nothing is promoted when it
+  cannot make room), the secondary pins its copies, and the copy runs. On success the
+  block is loadable in the primary (announced by the primary's own event) and the next
+  lookup is a ``HIT``; on failure the primary frees the slots and the secondary drops the
+  block (``discard``: a failed read is a corrupt or unreadable block, never retried as
+  is). When the primary cannot make room for all the asked keys (a prefix longer than the
+  primary, or a primary full of pinned blocks), the leading part that fits is promoted and
+  the rest is *declined*: a lookup of a declined key answers ``MISS`` for the next
+  ``DECLINE_STEPS`` steps, so the request goes on with what was promoted (the engine
+  computes the rest) instead of waiting for room that may never come, and a later
+  promotion cannot evict the blocks just promoted for it.
 
 Everything here is bookkeeping on the scheduler thread: no I/O, no waiting. Events of
 every tier are passed on with their own medium. ``reset`` drops every tier.
@@ -55,6 +57,7 @@ from kvoffload.specs import LoadStoreSpec
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.PENDING
+_RETRY = LookupResult.RETRY
 
 # Steps (``take_transfers`` calls) a key whose promotion found no room stays a miss: long
 # enough for the request that asked to load what was promoted, short enough that the key
@@ -114,11 +117,14 @@ class TieredOffloadingManager(OffloadingManager):
             if self._step - declined < DECLINE_STEPS:
                 return _MISS
             del self._declined[key]
+        waiting = False
         for index, tier in enumerate(self.secondaries):
-            if tier.lookup(key) is _HIT:
+            result = tier.lookup(key)
+            if result is _HIT:
                 self._wanted[key] = index
                 return _PENDING
-        return _MISS
+            waiting = waiting or result is _RETRY
+        return _RETRY if waiting else _MISS
 
     # -- the engine's loads and stores: the primary's --------------------------------------
 

@@ -1,0 +1,251 @@
+"""``RedisWorker``: moves blocks between the host pool and the shared Redis/Valkey tier.
+
+It is the ``kvoffload.worker.OffloadingWorker`` of routes ``CPU -> REMOTE`` (a store) and
+``REMOTE -> CPU`` (a load), a peer of the device<->host engine behind a ``WorkerRouter``:
+
+* store: ``submit(job_id, CPULoadStoreSpec(host_ids), RemoteLoadStoreSpec(keys))`` writes
+  host block ``host_ids[i]`` (its row of every pool tensor, in tensor order) as the value
+  of ``keys[i]`` (``kvoffload.tiers.redis.format``), all in one pipeline of ``SET NX``
+  (with ``EX ttl`` when configured): a block another replica stored already is left as
+  it is (counted in ``already_present``).
+* load: ``submit(job_id, RemoteLoadStoreSpec(keys), CPULoadStoreSpec(host_ids))`` reads
+  the values in one pipeline of ``GET`` and copies each checked payload into its host
+  block's rows.
+
+Contract, beyond ``kvoffload.worker``:
+
+* ``submit`` validates first (``TypeError`` for another medium pair or spec class,
+  ``ValueError`` naming the bad value: counts that differ, a host id out of range, a job
+  id in flight; ``RuntimeError`` after ``close``) and never touches the network.
+* Jobs run on ``io_threads`` threads, concurrently; a job succeeds or fails as a whole.
+  A failed load leaves its host rows unspecified. A value that is missing (evicted or
+  expired since the lookup) fails the load; a value whose header, key, namespace digest
+  or CRC does not match fails it too, is deleted from the server (``UNLINK``) and is
+  counted in ``corrupt_values``: it never reaches the engine.
+* Every call is bounded by the client's timeouts; a ``CircuitBreaker`` fails jobs at once
+  while the server is down (``stores_dropped``, ``loads_failed``) and lets a call through
+  now and then to notice its return. Nothing raises out of ``submit``/``poll`` for
+  network errors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvoffload.counters import Counters
+from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, CPULoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
+from kvoffload.tiers.redis.breaker import CircuitBreaker
+from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode
+from kvoffload.validation import positive_int
+from kvoffload.worker import OffloadingWorker, Route, TransferResult
+
+STORE = "remote_store"  # host -> remote
+LOAD = "remote_load"  # remote -> host
+_DIRECTIONS: dict[Route, str] = {(MEDIUM_CPU, MEDIUM_REMOTE): STORE, (MEDIUM_REMOTE, MEDIUM_CPU): LOAD}
+
+
+@dataclass
+class RedisWorkerCounters(Counters):
+    stores: int = 0  # store jobs that succeeded
+    stores_dropped: int = 0  # store jobs failed (server down, slow, refused)
+    loads: int = 0
+    loads_failed: int = 0
+    blocks_written: int = 0
+    already_present: int = 0  # SET NX found the block stored already (another replica)
+    blocks_read: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    missing_values: int = 0  # a loaded key the server no longer had
+    corrupt_values: int = 0  # failed a check on read; deleted from the server
+    outages: int = 0
+
+
+class _JobFailed(Exception):
+    pass
+
+
+class RedisWorker(OffloadingWorker):
+    """Moves blocks between ``host_pool`` and the server behind ``connect``."""
+
+    routes = frozenset(_DIRECTIONS)
+
+    def __init__(
+        self,
+        host_pool,
+        connect: Callable[[], object],
+        names: KeyNames,
+        *,
+        io_threads: int = 2,
+        ttl: int | None = None,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        self.host_pool = host_pool
+        self._rows = [t.numpy() for t in host_pool.tensors]  # (num_host_blocks, row bytes)
+        self.block_bytes = sum(int(r.shape[1]) for r in self._rows)
+        self._connect = connect
+        self._names = names
+        self._ttl = ttl
+        self.breaker = breaker or CircuitBreaker("redis tier (worker)")
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(positive_int("io_threads", io_threads), "kvoffload-redis-io")
+        self._lock = threading.Condition()
+        self._pending: set[int] = set()
+        self._results: list[TransferResult] = []
+        self._counters = RedisWorkerCounters()
+        self._closed = False
+
+    # -- submission ----------------------------------------------------------------------
+
+    def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        direction = _DIRECTIONS.get((src_spec.medium, dst_spec.medium))
+        if direction is None:
+            raise TypeError(f"RedisWorker does not move {src_spec.medium} -> {dst_spec.medium} jobs")
+        host, remote = (src_spec, dst_spec) if direction == STORE else (dst_spec, src_spec)
+        if not isinstance(host, CPULoadStoreSpec) or not isinstance(remote, RemoteLoadStoreSpec):
+            raise TypeError(f"expected a CPU and a remote spec, got {src_spec!r}, {dst_spec!r}")
+        host_ids = host.block_ids.tolist()
+        if len(host_ids) != len(remote.keys):
+            raise ValueError(f"{len(host_ids)} host blocks but {len(remote.keys)} keys in job {job_id}")
+        bad = [b for b in host_ids if not 0 <= b < self.host_pool.num_blocks]
+        if bad:
+            raise ValueError(f"host block id {bad[0]} out of range [0, {self.host_pool.num_blocks})")
+        keys = [bytes(key) for key in remote.keys]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the RedisWorker is closed")
+            if job_id in self._pending:
+                raise ValueError(f"job id {job_id} is already in flight")
+            self._pending.add(job_id)
+        self._pool.submit(self._run, job_id, direction, host_ids, keys)
+        return True
+
+    # -- the jobs ------------------------------------------------------------------------
+
+    def _client(self):
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self._connect()
+        return client
+
+    def _run(self, job_id: int, direction: str, host_ids: list[int], keys: list[bytes]) -> None:
+        start = time.perf_counter()
+        error = None
+        moved = 0
+        try:
+            if not self.breaker.allow():
+                raise _JobFailed("the server is unavailable (circuit open)")
+            try:
+                moved = (self._store if direction == STORE else self._load)(host_ids, keys)
+            except (_JobFailed, CorruptValue):
+                self.breaker.success()  # the server answered
+                raise
+            except Exception as exc:  # noqa: BLE001 - network, timeout, server errors
+                self._local.client = None
+                self.breaker.failure(exc)
+                raise _JobFailed(f"{type(exc).__name__}: {exc}") from None
+            self.breaker.success()
+        except (_JobFailed, CorruptValue) as exc:
+            error = str(exc)
+        with self._lock:
+            counters = self._counters
+            if direction == STORE:
+                counters.stores += error is None
+                counters.stores_dropped += error is not None
+            else:
+                counters.loads += error is None
+                counters.loads_failed += error is not None
+            self._pending.discard(job_id)
+            self._results.append(
+                TransferResult(
+                    job_id,
+                    error is None,
+                    moved if error is None else 0,
+                    time.perf_counter() - start,
+                    direction,
+                    error,
+                )  # fmt: skip
+            )
+            self._lock.notify_all()
+
+    def _payload(self, host_id: int) -> list:
+        return [rows[host_id] for rows in self._rows]
+
+    def _store(self, host_ids: list[int], keys: list[bytes]) -> int:
+        digest, ttl = self._names.digest, self._ttl
+        pipe = self._client().pipeline(transaction=False)
+        for host_id, key, name in zip(host_ids, keys, self._names.names(keys)):
+            pipe.set(name, encode(key, self._payload(host_id), digest), nx=True, ex=ttl)
+        replies = pipe.execute()
+        with self._lock:
+            self._counters.blocks_written += sum(1 for r in replies if r)
+            self._counters.already_present += sum(1 for r in replies if not r)
+            self._counters.bytes_written += self.block_bytes * len(keys)
+        return self.block_bytes * len(keys)
+
+    def _load(self, host_ids: list[int], keys: list[bytes]) -> int:
+        names = self._names.names(keys)
+        pipe = self._client().pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        values = pipe.execute()
+        digest, size = self._names.digest, self.block_bytes
+        corrupt: list[bytes] = []
+        failure = None
+        for host_id, key, name, value in zip(host_ids, keys, names, values):
+            if value is None:
+                failure = failure or f"block {key.hex()} is no longer on the server"
+                with self._lock:
+                    self._counters.missing_values += 1
+                continue
+            try:
+                payload = decode(value, key, digest, size)
+            except CorruptValue as exc:
+                corrupt.append(name)
+                failure = failure or f"block {key.hex()} is corrupt: {exc}"
+                continue
+            offset = 0
+            for rows in self._rows:
+                width = rows.shape[1]
+                rows[host_id] = np.frombuffer(payload[offset : offset + width], dtype=np.uint8)
+                offset += width
+        if corrupt:
+            with self._lock:
+                self._counters.corrupt_values += len(corrupt)
+            self._client().unlink(*corrupt)
+        if failure:
+            raise _JobFailed(failure)
+        with self._lock:
+            self._counters.blocks_read += len(keys)
+            self._counters.bytes_read += size * len(keys)
+        return size * len(keys)
+
+    # -- results -------------------------------------------------------------------------
+
+    def poll(self) -> list[TransferResult]:
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
+        wanted = set(job_ids)
+        with self._lock:
+            if not self._lock.wait_for(lambda: not (wanted & self._pending), timeout):
+                raise TimeoutError(f"jobs {sorted(wanted & self._pending)} still running after {timeout} s")
+
+    def counters(self) -> RedisWorkerCounters:
+        with self._lock:
+            return self._counters.snapshot(outages=self.breaker.outages)
+
+    def close(self) -> None:
+        """Let queued jobs finish (each bounded by the client's timeouts), then release."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)

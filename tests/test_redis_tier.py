@@ -1,0 +1,270 @@
+"""The shared tier against a real redis-server on loopback: byte-exact stores and loads,
+the lookup protocol (RETRY, then HIT or MISS), two replicas sharing blocks, server-side
+eviction, corrupt values, and a server killed and restarted. No mocks."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.keys import make_offload_key
+from kvoffload.manager import LookupResult
+from kvoffload.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
+from kvoffload.tiers.redis.format import KeyNames, redis_namespace
+from kvoffload.tiers.secondary import TierContext, parse_secondary_tiers
+from kvoffload.tiers.tiered import TieredOffloadingManager
+from kvoffload.transfer import HostBlockPool, KVLayout
+from redis_server import RedisServer, redis_server  # noqa: F401 - fixture
+from transfer_oracle import randomize, three_group_layer_caches
+
+HIT, MISS, RETRY, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.PENDING
+IDENTITY = {"model": "test", "dtype": "uint8", "block_size": 8}
+
+
+def make_pool(num_host: int = 16, seed: int = 0) -> HostBlockPool:
+    gen = torch.Generator().manual_seed(seed)
+    caches, groups = three_group_layer_caches(8, gen)
+    pool = HostBlockPool(KVLayout.from_layer_tensors(caches, groups), num_host)
+    for t in pool.tensors:
+        randomize(t, gen)
+    return pool
+
+
+def host_block(pool: HostBlockPool, host_id: int) -> bytes:
+    return b"".join(t[host_id].numpy().tobytes() for t in pool.tensors)
+
+
+def k(i: int) -> bytes:
+    return make_offload_key(i.to_bytes(32, "big"), i % 2)
+
+
+def until(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+class Replica:
+    """One engine's halves of the tier, built from configuration as an engine builds them."""
+
+    def __init__(self, url: str, seed: int = 0, **options):
+        (self.tier,) = parse_secondary_tiers([{"type": "redis", "url": url, "timeout_s": 1.0,
+                                               "connect_timeout_s": 0.5, **options}])  # fmt: skip
+        self.pool = make_pool(seed=seed)
+        self.block_bytes = sum(int(t.shape[1]) for t in self.pool.tensors)
+        context = TierContext(self.block_bytes, IDENTITY)
+        self.manager = self.tier.build_manager(context, "lru")
+        self.worker = self.tier.build_worker(context, self.pool)
+        self.names = KeyNames("kvoffload", redis_namespace({**IDENTITY, "rank": 0}))
+        self.job = 0
+
+    def run(self, src, dst, timeout: float = 10.0):
+        self.job += 1
+        self.worker.submit(self.job, src, dst)
+        self.worker.wait([self.job], timeout)
+        (result,) = self.worker.poll()
+        return result
+
+    def store(self, keys, host_ids):
+        out = self.manager.prepare_store(keys)
+        result = self.run(CPULoadStoreSpec(host_ids[: len(out.keys_to_store)]), out.store_spec)
+        self.manager.complete_store(out.keys_to_store, result.success)
+        return result
+
+    def settle(self, key, timeout: float = 5.0):
+        """Ask until the answer is no longer RETRY (the scheduler asks once per step)."""
+        return until(lambda: (r := self.manager.lookup(key)) is not RETRY and r, timeout)
+
+    def close(self):
+        self.worker.close()
+        self.manager.close()
+
+
+@pytest.fixture
+def replicas(redis_server):  # noqa: F811
+    made = []
+
+    def make(**options):
+        made.append(Replica(redis_server.url, seed=len(made), **options))
+        return made[-1]
+
+    yield make
+    for replica in made:
+        replica.close()
+
+
+def test_blocks_round_trip_byte_exact_and_a_second_replica_finds_them(replicas, redis_server):  # noqa: F811
+    a, b = replicas(), replicas()
+    keys = [k(i) for i in range(6)]
+    assert a.store(keys, list(range(6))).success
+    events = a.manager.take_events()
+    assert [(e.removed, len(e.keys)) for e in events] == [(False, 6)]
+    assert all(a.manager.lookup(key) is HIT for key in keys)  # its own stores: no probe
+
+    assert b.manager.lookup(keys[0]) is RETRY  # unknown: asked in the background
+    assert [b.settle(key) for key in keys] == [HIT] * 6
+    assert b.settle(k(99)) is MISS
+    spec = b.manager.prepare_load(keys)
+    result = b.run(spec, CPULoadStoreSpec(range(10, 16)))
+    b.manager.complete_load(keys)
+    assert result.success and result.bytes == 6 * b.block_bytes
+    for i in range(6):
+        assert host_block(b.pool, 10 + i) == host_block(a.pool, i)
+    assert b.manager.take_events() == []  # b did not store them: it does not announce them
+    assert b.manager.counters().found == 6
+
+    # SET NX: b storing the same blocks leaves a's values as they are
+    b.manager.reset()
+    out = b.manager.prepare_store(keys[:2])
+    assert b.run(CPULoadStoreSpec([0, 1]), out.store_spec).success
+    assert b.worker.counters().already_present == 2
+    written_by_a = host_block(a.pool, 0)
+    assert redis_server.client().get(b.names.name(keys[0]))[-len(written_by_a) :] == written_by_a
+
+
+def test_a_corrupt_value_is_a_failed_load_deleted_and_never_copied(replicas, redis_server):  # noqa: F811
+    a, b = replicas(), replicas()
+    keys = [k(i) for i in range(3)]
+    assert a.store(keys, [0, 1, 2]).success
+    client = redis_server.client()
+    value = bytearray(client.get(a.names.name(keys[1])))
+    value[-5] ^= 0x40
+    client.set(a.names.name(keys[1]), bytes(value))
+    assert [b.settle(key) for key in keys] == [HIT] * 3
+    before = host_block(b.pool, 7)
+    result = b.run(b.manager.prepare_load(keys[1:2]), CPULoadStoreSpec([7]))
+    b.manager.complete_load(keys[1:2])
+    assert not result.success and "CRC32C" in result.error
+    assert host_block(b.pool, 7) == before  # nothing of the bad value reached the pool
+    assert client.exists(a.names.name(keys[1])) == 0  # deleted on the server
+    assert b.worker.counters().corrupt_values == 1
+    b.manager.discard(keys[1:2])
+    assert b.manager.lookup(keys[1]) is MISS
+
+
+def test_server_eviction_is_announced_removed_and_never_a_wrong_load(tmp_path):
+    server = RedisServer(tmp_path, maxmemory="3mb").start()
+    try:
+        a = Replica(server.url)
+        block = a.block_bytes
+        n = (6 * 2**20) // block  # twice what the server may hold
+        ids = list(range(16))
+        for start in range(0, n, 16):
+            keys = [k(i) for i in range(start, min(n, start + 16))]
+            assert a.store(keys, ids[: len(keys)]).success
+        events = a.manager.take_events()
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # notifications arrive one by one
+            events += a.manager.take_events()
+            time.sleep(0.05)
+        stored = {key for e in events if not e.removed for key in e.keys}
+        gone = {key for e in events if e.removed for key in e.keys}
+        assert len(stored) == n
+        client = server.client()
+        on_server = {key for key in stored if client.exists(a.names.name(key))}
+        assert gone and gone <= stored and not gone & on_server
+        assert len(on_server) < n
+        # whatever the index still claims loads byte-exact or fails: never wrong bytes
+        claimed = [k(i) for i in range(n) if a.manager.lookup(k(i)) is HIT][:16]
+        result = a.run(a.manager.prepare_load(claimed), CPULoadStoreSpec(range(len(claimed))))
+        a.manager.complete_load(claimed)
+        assert result.success or "no longer on the server" in result.error
+        a.close()
+    finally:
+        server.stop()
+
+
+def test_budget_evictions_delete_what_this_engine_wrote(replicas, redis_server):  # noqa: F811
+    probe = replicas()
+    per_block = probe.block_bytes + 80
+    a = replicas(bytes_to_use=4 * per_block)
+    assert a.manager.stats().capacity == 4
+    for i in range(0, 8, 2):
+        assert a.store([k(i), k(i + 1)], [0, 1]).success
+    client = redis_server.client()
+    until(lambda: sum(client.exists(a.names.name(k(i))) for i in range(8)) == 4)
+    assert a.manager.counters().deleted == 4
+
+
+def test_server_down_answers_misses_fast_and_the_tier_recovers(replicas, redis_server):  # noqa: F811
+    a = replicas()
+    assert a.store([k(1)], [0]).success
+    redis_server.kill()
+    # stores fail as results, never as exceptions
+    out = a.manager.prepare_store([k(2)])
+    result = a.run(CPULoadStoreSpec([1]), out.store_spec)
+    a.manager.complete_store(out.keys_to_store, result.success)
+    assert not result.success
+    # unknown keys: RETRY until the probe fails, then MISS at once while the server is down
+    assert a.settle(k(3)) is MISS
+    started = time.perf_counter()
+    answers = [a.manager.lookup(k(100 + i)) for i in range(1000)]
+    per_lookup = (time.perf_counter() - started) / 1000
+    assert set(answers) == {MISS}
+    assert per_lookup < 1e-3  # no network on the scheduler thread (a loose bound, not a benchmark)
+    redis_server.start()
+
+    # the worker's breaker lets a call through after its backoff: stores succeed again
+    def stored_again():
+        out = a.manager.prepare_store([k(4)])
+        if out is None or not out.keys_to_store:
+            return False
+        result = a.run(CPULoadStoreSpec([2]), out.store_spec)
+        a.manager.complete_store(out.keys_to_store, result.success)
+        return result.success
+
+    until(stored_again, timeout=30)
+    # and the lookups' breaker too: a key another writer stored is found again
+    assert Replica(redis_server.url).store([k(5)], [3]).success
+    assert until(lambda: a.manager.lookup(k(5)) is HIT, timeout=30)
+    assert a.worker.counters().outages >= 1
+
+
+def test_unreachable_at_start_is_a_logged_degraded_start(tmp_path, caplog):
+    port = RedisServer(tmp_path).port  # free, nothing listens
+    started = time.perf_counter()
+    a = Replica(f"redis://127.0.0.1:{port}/0")
+    assert time.perf_counter() - started < 5
+    assert "unreachable at start-up" in caplog.text
+    assert a.settle(k(1)) is MISS
+    a.close()
+
+
+def test_rejected_credentials_fail_the_start(tmp_path):
+    server = RedisServer(tmp_path).start(extra=("--requirepass", "right"))
+    try:
+        with pytest.raises(ValueError, match="rejected the credentials") as info:
+            Replica(f"redis://:wrong@127.0.0.1:{server.port}/0")
+        assert "wrong" not in str(info.value)
+        ok = Replica(f"redis://:right@127.0.0.1:{server.port}/0")
+        assert ok.store([k(1)], [0]).success
+        ok.close()
+    finally:
+        server.stop()
+
+
+def test_tiered_promotion_from_the_shared_tier(replicas):
+    a, b = replicas(), replicas()
+    keys = [k(i) for i in range(4)]
+    assert a.store(keys, [0, 1, 2, 3]).success
+    tiered = TieredOffloadingManager(CPUOffloadingManager(8, enable_events=True), [b.manager])
+    assert tiered.lookup(keys[0]) is RETRY
+    assert until(lambda: (r := tiered.lookup(keys[0])) is not RETRY and r) is PENDING
+    (transfer,) = tiered.take_transfers()
+    assert isinstance(transfer.src_spec, RemoteLoadStoreSpec)
+    result = b.run(transfer.src_spec, transfer.dst_spec)
+    tiered.complete_transfer(transfer.token, result.success)
+    assert result.success and tiered.lookup(keys[0]) is HIT
+    host_id = int(tiered.prepare_load([keys[0]]).block_ids[0])
+    assert host_block(b.pool, host_id) == host_block(a.pool, 0)
+    assert np.array_equal(
+        np.frombuffer(host_block(b.pool, host_id), np.uint8), np.frombuffer(host_block(a.pool, 0), np.uint8)
+    )
