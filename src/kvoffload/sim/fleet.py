@@ -305,7 +305,7 @@ def write_fleet_plot(rows: Sequence[FleetRow], path, title: str = "") -> list[st
             xs = [m[0] for m in mine]
             axes[0].plot(xs, [m[1] for m in mine], marker="o", label=label)
             axes[1].plot(xs, [m[2] for m in mine], marker="o", label=label)
-        for ax, ylabel in zip(axes, ("hit ratio (device + host)", "load imbalance (max/mean, mean)")):
+        for ax, ylabel in zip(axes, ("hit ratio (device + host)", "load imbalance (mean of max/mean)")):
             if log:
                 ax.set_xscale("log")
             ax.set_xticks(positions, names)
