@@ -34,6 +34,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvoffload.events.types import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
+from kvoffload.index.core import BlockIndex
+from kvoffload.index.state import SourceState
+from kvoffload.index.tiers import TierWeights
 from kvoffload.manager import OffloadingEvent
 from kvoffload.validation import positive_int
 
@@ -135,10 +138,10 @@ class KVAware(Router):
 
     wants_events = True
 
-    def __init__(self, replicas: int, balance_threshold: float, block_size: int, weights=None) -> None:
+    def __init__(
+        self, replicas: int, balance_threshold: float, block_size: int, weights: TierWeights | None = None
+    ) -> None:
         super().__init__(replicas)
-        from kvoffload.index import BlockIndex, SourceState
-
         self.balance_threshold = check_threshold(balance_threshold)
         self.block_size = positive_int("block_size", block_size)
         self.index = BlockIndex(weights=weights, hash_seed=None)
@@ -183,7 +186,7 @@ def make_router(
     block_size: int,
     seed: int = 0,
     balance_threshold: float = DEFAULT_BALANCE_THRESHOLD,
-    weights=None,
+    weights: TierWeights | None = None,
 ) -> Router:
     """The router called ``name`` (one of ``ROUTINGS``) for ``replicas`` replicas."""
     (key,) = validate_routings([name])
