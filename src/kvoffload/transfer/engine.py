@@ -29,15 +29,22 @@ Contract:
   and ``RuntimeError`` after ``close``. It returns ``True`` when the job is queued.
 * Stores and loads have their own queue and worker; within a direction jobs run and
   complete in submission order, and the two directions overlap.
+* Every job ``submit`` accepted (returned ``True``) yields exactly one result. An error
+  after validation (e.g. recording the executor's ready event failed) does not raise: the
+  job completes at once as failed (ahead of jobs queued before it).
 * ``poll()`` returns the results finished since the last poll, in completion order.
   ``TransferResult.bytes`` counts the bytes the job moves (0 when it fails);
   ``seconds`` is the copy time, not the time spent queued.
 * A job that fails while copying reports ``success=False`` with ``error`` set. Its
   destination blocks are then unspecified (possibly partly written): the caller must not
   mark them loadable, and nothing else in the pools is touched. Later jobs still run.
+* A failed job is reported only after the executor made sure none of its copies still
+  runs (see the executors).
 * ``wait(job_ids)`` blocks until those jobs have finished (their results stay for
   ``poll``); unknown ids count as finished. ``close()`` lets queued jobs finish, stops
-  the workers, and is idempotent; results remain pollable.
+  the workers, and is idempotent; results remain pollable. It is bounded by
+  ``close_timeout``: jobs still unfinished then (a hung device) are reported failed
+  without that guarantee, which is safe only because nothing uses the engine afterwards.
 
 CPU tensors use ``CPUExecutor`` (``kvoffload.transfer.cpu_executor``), CUDA tensors
 ``CUDAExecutor`` (``kvoffload.transfer.cuda_executor``); both follow
@@ -46,8 +53,10 @@ CPU tensors use ``CPUExecutor`` (``kvoffload.transfer.cpu_executor``), CUDA tens
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -61,6 +70,8 @@ from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.mapping import map_sub_blocks
 from kvoffload.worker import OffloadingWorker, Route, TransferResult
+
+logger = logging.getLogger(__name__)
 
 STORE = "store"  # device -> host
 LOAD = "load"  # host -> device
@@ -94,22 +105,29 @@ class TransferEngine(OffloadingWorker):
         *,
         chunk_bytes: int = 1 << 20,
         copy_threads: int | None = None,
+        executor: Executor | None = None,
+        close_timeout: float | None = 60.0,
     ) -> None:
         """``chunk_bytes`` (the work one copy thread takes at a time, at least one row)
         and ``copy_threads`` (threads copying one job, default: CPU count, at most 8)
-        tune the CPU executor; CUDA ignores them."""
+        tune the CPU executor; CUDA ignores them. ``executor`` replaces the one chosen by
+        device (tests). ``close_timeout``: seconds ``close`` waits for the workers
+        (``None``: for ever)."""
         if host_pool.layout is not layout:
             raise ValueError("host_pool was built for a different layout")
         self.layout = layout
         self.host_pool = host_pool
-        if layout.device.type == "cuda":
-            self._executor: Executor = CUDAExecutor(layout, host_pool)
+        self.close_timeout = close_timeout
+        if executor is not None:
+            self._executor: Executor = executor
+        elif layout.device.type == "cuda":
+            self._executor = CUDAExecutor(layout, host_pool)
         elif layout.device.type == "cpu":
             self._executor = CPUExecutor(layout, host_pool, chunk_bytes, copy_threads)
         else:
             raise ValueError(f"unsupported device {layout.device} (cpu and cuda are)")
         self._lock = threading.Condition()
-        self._pending: set[int] = set()
+        self._pending: dict[int, str] = {}  # job id -> direction
         self._results: list[TransferResult] = []
         self._closed = False
         self._queues = {STORE: queue.Queue(), LOAD: queue.Queue()}
@@ -145,9 +163,15 @@ class TransferEngine(OffloadingWorker):
                 raise RuntimeError(f"submit({job_id}) after close()")
             if job_id in self._pending:
                 raise ValueError(f"job id {job_id} is already in flight")
-            self._pending.add(job_id)
-        job.ready = self._executor.ready_event()
-        self._queues[STORE if store else LOAD].put(job)
+            self._pending[job_id] = direction
+            # Under the lock: close() cannot queue its stop marker ahead of this job.
+            try:
+                job.ready = self._executor.ready_event()
+                self._queues[direction].put(job)
+            except Exception as exc:  # registered already: it must complete, here and now
+                logger.error("kvoffload: %s job %d failed at submit: %s", direction, job_id, exc)
+                error = f"{type(exc).__name__}: {exc}"
+                self._complete(TransferResult(job_id, False, 0, 0.0, direction, error))
         return True
 
     def _plan(
@@ -194,12 +218,18 @@ class TransferEngine(OffloadingWorker):
                     state = self._executor.new_state()
                 seconds = self._executor.run(job.store, job.pieces, state, job.ready)
                 result = TransferResult(job.job_id, True, job.nbytes, seconds, direction)
-            except Exception as exc:  # any copy error fails this job only
+            except BaseException as exc:  # noqa: BLE001 - any error fails this job only
                 result = TransferResult(job.job_id, False, 0, 0.0, direction, f"{type(exc).__name__}: {exc}")
-            with self._lock:
-                self._results.append(result)
-                self._pending.discard(job.job_id)
-                self._lock.notify_all()
+            self._complete(result)
+
+    def _complete(self, result: TransferResult) -> None:
+        """Post ``result`` unless its job already has one (failed by a timed-out close)."""
+        with self._lock:
+            if result.job_id not in self._pending:
+                return
+            self._results.append(result)
+            del self._pending[result.job_id]
+            self._lock.notify_all()
 
     def poll(self) -> list[TransferResult]:
         with self._lock:
@@ -210,8 +240,8 @@ class TransferEngine(OffloadingWorker):
         """Block until every job in ``job_ids`` has finished; ``TimeoutError`` otherwise."""
         wanted = set(job_ids)
         with self._lock:
-            if not self._lock.wait_for(lambda: not (wanted & self._pending), timeout):
-                raise TimeoutError(f"jobs {sorted(wanted & self._pending)} still running")
+            if not self._lock.wait_for(lambda: not (wanted & self._pending.keys()), timeout):
+                raise TimeoutError(f"jobs {sorted(wanted & self._pending.keys())} still running")
 
     def close(self) -> None:
         with self._lock:
@@ -220,6 +250,16 @@ class TransferEngine(OffloadingWorker):
             self._closed = True
         for direction in (STORE, LOAD):
             self._queues[direction].put(None)
+        deadline = None if self.close_timeout is None else time.monotonic() + self.close_timeout
         for thread in self._threads:
-            thread.join()
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
+            with self._lock:
+                stuck = sorted(self._pending.items())
+            logger.error("kvoffload: close() gave up on jobs %s after %ss", stuck, self.close_timeout)
+            for job_id, direction in stuck:
+                self._complete(
+                    TransferResult(job_id, False, 0, 0.0, direction, "engine closed before the job finished")
+                )
+            return  # the stuck worker still uses the executor: leave it be
         self._executor.close()

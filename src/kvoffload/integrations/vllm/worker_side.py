@@ -5,7 +5,7 @@ Per step (vLLM's call order): ``handle_preemptions`` waits for the jobs of preem
 requests; ``start_load_kv`` submits loads (before the forward pass); ``wait_for_save``
 submits stores (after it, when the blocks hold this step's KV); ``get_finished`` polls
 results and reports requests whose loads finished (``finished_recving``) and held
-requests whose jobs all finished (``finished_sending``); ``build_worker_meta`` sends the
+requests whose jobs all finished (``finished_sending``), without ever waiting; ``build_worker_meta`` sends the
 finished jobs to the scheduler; device blocks of failed loads go to
 ``get_block_ids_with_load_errors`` so the engine recomputes them.
 """
@@ -39,7 +39,7 @@ class WorkerSide:
         self._held: dict[str, set[int]] = {}
         self._finished: dict[int, tuple[int, bool]] = {}
         self._load_errors: set[int] = set()
-        self._step_loads: list[int] = []
+        self._rejected_loads: set[str] = set()  # requests whose load failed at submit
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layout = build_layout(kv_caches, self._kv_cache_config)
@@ -62,7 +62,6 @@ class WorkerSide:
         for req_id, jobs in plan.hold_blocks.items():
             self._held[req_id] = set(jobs)
         self._submit(plan.loads)
-        self._step_loads = [job.job_id for job in plan.loads]
         self._submit(plan.transfers)  # between tiers: no device block, no hurry
 
     def start_stores(self, plan: StepPlan) -> None:
@@ -74,9 +73,13 @@ class WorkerSide:
             self._jobs[job.job_id] = job
             try:
                 self.worker.submit(job.job_id, job.src_spec, job.dst_spec)
-            except (ValueError, TypeError) as exc:  # a bad job fails; it must not stop the engine
-                logger.error("kvoffload: job %d rejected: %s", job.job_id, exc)
-                self._finish(job.job_id, False)
+            except Exception as exc:  # noqa: BLE001 - a job that cannot start fails; vLLM must not see it
+                # A worker that raises has not taken the job: no result will come for it.
+                logger.error("kvoffload: job %d rejected: %s: %s", job.job_id, type(exc).__name__, exc)
+                finished = self._finish(job.job_id, False)
+                if finished is not None and not finished[1]:
+                    # vLLM holds the request until its load is reported, failed or not.
+                    self._rejected_loads.add(finished[0])
 
     def _finish(self, job_id: int, success: bool) -> tuple[str, bool] | None:
         job = self._jobs.pop(job_id, None)
@@ -90,12 +93,16 @@ class WorkerSide:
         return job.req_id, job.is_store
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        recving: set[str] = set()
+        recving, self._rejected_loads = self._rejected_loads, set()
         if self.worker is not None:
-            # The loads started this step overlapped the forward pass; waiting for their
-            # tail here lets their requests run next step instead of one or two later.
-            self.worker.wait(self._step_loads)
-            self._step_loads = []
+            # Poll only, never wait. vLLM 0.32 (``KVConnectorModelRunnerMixin.
+            # _get_kv_connector_output``) starts asynchronous loads right after launching
+            # the forward pass and calls this straight after, before sampling is queued:
+            # waiting here for this step's loads would leave the GPU idle for as long as
+            # the load outlasts the forward. Starting loads before the forward is only
+            # done for synchronous loads, which these are not. A load that finishes later
+            # is reported by the next step's poll; its request waits a step, the engine
+            # does not.
             for result in self.worker.poll():
                 if not result.success:
                     logger.warning(
