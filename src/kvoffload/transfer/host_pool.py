@@ -1,30 +1,92 @@
 """The host block pool: where offloaded KV pages live in host memory.
 
-``HostBlockPool(layout, num_host_blocks, blocks_per_offload_block=F)`` allocates one host
-tensor per layout tensor, shaped ``(num_host_blocks, page_bytes * F)`` uint8, pinned
-(page-locked) when CUDA is available so device copies can run asynchronously at full
-speed. An offloaded (host) block spans ``F`` consecutive device blocks: host block ``b``
-of a tensor holds device-sized sub-blocks ``b*F .. b*F+F-1``, and ``sub_blocks(t)`` views
-tensor ``t`` as ``(num_host_blocks * F, page_bytes)`` rows in that numbering.
+``HostBlockPool(layout, num_host_blocks, blocks_per_offload_block=F)`` holds one host
+block per id, each with a page of every layout tensor ``F`` times. An offloaded (host)
+block spans ``F`` consecutive device blocks: host block ``b`` of a tensor holds
+device-sized sub-blocks ``b*F .. b*F+F-1``. Views:
+
+* ``tensors[t]``: ``(num_host_blocks, page_bytes(t) * F)`` uint8, row ``b`` contiguous;
+* ``sub_blocks(t)``: ``(num_host_blocks * F, page_bytes(t))``, row ``b*F + k`` is sub-block
+  ``k`` of host block ``b``;
+* ``region``: the one 1-D allocation all views share, of exactly ``nbytes`` bytes;
+  ``row_offset(t)`` and ``row_stride(t)`` locate row ``r`` of ``sub_blocks(t)`` in it.
+
+Memory layout. Tensor-major (one contiguous slab per tensor) by default. ``interleave``
+(the default for CUDA layouts with F = 1) puts every tensor's page of a block side by
+side, so a run of consecutive host ids is one contiguous byte range across all layers and
+crosses the bus in one copy; with F > 1 the two views above cannot both exist over an
+interleaved region, so it is refused.
+
+Pinning. One region of exactly the pool's size, allocated pageable and then registered
+with ``cudaHostRegister`` in row-aligned chunks on several threads (pinning faults every
+page in, which is what takes time). Why not ``pin_memory=True``: PyTorch's caching host
+allocator rounds an allocation up to a power of two (up to 2x the memory), and one
+allocation per tensor wastes that per tensor. When registration fails, the region stays
+pageable with a logged warning: copies are then correct but synchronous and slower.
+Registration chunks end on host-block boundaries, so no page straddles two of them;
+``register_bounds`` lists them for copy planners that keep each copy inside one.
+
+Size. The pool is sized by its caller. In the vLLM integration ``cpu_bytes_to_use`` is
+currently divided by the host bytes of *this worker's* shard, so each worker of a
+tensor-parallel engine allocates the whole ``cpu_bytes_to_use`` (vLLM 0.32 treats it as
+the total over all workers, see ``vllm/v1/kv_offload/cpu/spec.py``).
 
 A host block id addresses the same slot in every tensor; a block of group ``g`` uses only
-the tensors of ``g``. With groups that share no tensors this leaves the other groups'
-slots of that id unused; vLLM's overlaid groups share their tensors and waste nothing.
-
-The memory is allocated uninitialised: a host block holds meaningful bytes only after a
-successful store into it, which is what the tier manager's bookkeeping tracks.
+the tensors of ``g``. The memory is allocated uninitialised: a host block holds meaningful
+bytes only after a successful store into it, which the tier manager's bookkeeping tracks.
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.validation import non_negative_int, positive_int
 
+logger = logging.getLogger(__name__)
+
+# Pin in chunks of about this size: enough chunks to keep the threads busy, and bounded so
+# that no single registration hits a driver limit on huge ranges.
+_REGISTER_CHUNK_BYTES = 1 << 30
+_MAX_REGISTER_CHUNK_BYTES = 64 << 30
+
+# register(ptr, nbytes) -> bool, unregister(ptr) -> None; tests inject fakes.
+Registrar = tuple[Callable[[int, int], bool], Callable[[int], None]]
+
+
+def cuda_registrar(device: torch.device | None = None) -> Registrar | None:
+    """``cudaHostRegister``/``cudaHostUnregister`` through torch's bindings, or ``None``."""
+    try:
+        cudart = torch.cuda.cudart()
+        success = cudart.cudaError.success
+    except Exception as exc:  # noqa: BLE001 - no CUDA runtime: the caller falls back
+        logger.warning("kvoffload: no CUDA runtime to pin host memory with (%s)", exc)
+        return None
+    index = device.index if device is not None and device.type == "cuda" else None
+
+    def register(ptr: int, nbytes: int) -> bool:
+        if index is not None:
+            torch.cuda.set_device(index)  # each registering thread: the pool's device
+        # 1 = cudaHostRegisterPortable: pinned for every device's context, not only the
+        # one current on this thread.
+        return cudart.cudaHostRegister(ptr, nbytes, 1) == success
+
+    def unregister(ptr: int) -> None:
+        cudart.cudaHostUnregister(ptr)
+
+    return register, unregister
+
 
 class HostBlockPool:
-    """One host tensor per device tensor of ``layout``."""
+    """Host blocks for every tensor of ``layout``, in one region."""
 
     def __init__(
         self,
@@ -32,35 +94,128 @@ class HostBlockPool:
         num_host_blocks: int,
         blocks_per_offload_block: int = 1,
         pin_memory: bool | None = None,
+        *,
+        interleave: bool | None = None,
+        registrar: Registrar | None = None,
+        register_threads: int | None = None,
+        register_chunk_bytes: int = _REGISTER_CHUNK_BYTES,
     ) -> None:
+        """``pin_memory`` (default: CUDA available) registers the region; ``registrar``
+        replaces the CUDA runtime's (tests). ``interleave`` (default: a CUDA layout with
+        F = 1) chooses the block-interleaved layout."""
         non_negative_int("num_host_blocks", num_host_blocks)
-        positive_int("blocks_per_offload_block", blocks_per_offload_block)
+        f = positive_int("blocks_per_offload_block", blocks_per_offload_block)
+        positive_int("register_chunk_bytes", register_chunk_bytes)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
+        if interleave is None:
+            interleave = layout.device.type == "cuda" and f == 1
+        if interleave and f != 1:
+            raise ValueError(f"an interleaved host pool needs blocks_per_offload_block=1, got {f}")
         self.layout = layout
         self.num_blocks = num_host_blocks
-        self.blocks_per_offload_block = blocks_per_offload_block
-        self.pinned = bool(pin_memory)
-        self.tensors: tuple[torch.Tensor, ...] = tuple(
-            torch.empty(
-                (num_host_blocks, layout.page_bytes(i) * blocks_per_offload_block),
-                dtype=torch.uint8,
-                pin_memory=self.pinned,
-            )
-            for i in range(len(layout.tensors))
+        self.blocks_per_offload_block = f
+        self.interleaved = bool(interleave)
+        pages = [layout.page_bytes(i) for i in range(len(layout.tensors))]
+        # Bytes of one host block across all tensors: the interleaved row stride.
+        self.block_bytes = sum(pages) * f
+        self.nbytes = self.block_bytes * num_host_blocks
+        start = time.perf_counter()
+        self.region = torch.empty(self.nbytes, dtype=torch.uint8)
+        self._offsets: list[int] = []
+        self._strides: list[int] = []
+        views = []
+        offset = 0
+        for page in pages:
+            self._offsets.append(offset)
+            if self.interleaved:
+                self._strides.append(self.block_bytes)
+                views.append(self._strided(offset, page))
+                offset += page
+            else:
+                slab = num_host_blocks * page * f
+                self._strides.append(page)
+                views.append(self.region[offset : offset + slab].view(num_host_blocks, page * f))
+                offset += slab
+        self.tensors: tuple[torch.Tensor, ...] = tuple(views)
+        self.register_bounds = self._chunk_bounds(min(register_chunk_bytes, _MAX_REGISTER_CHUNK_BYTES))
+        self.pinned = False
+        if pin_memory and self.nbytes:
+            registrar = registrar if registrar is not None else cuda_registrar(layout.device)
+            self.pinned = registrar is not None and self._register(registrar, register_threads)
+            if not self.pinned:
+                logger.warning(
+                    "kvoffload: could not pin the %.1f MiB host pool; it stays pageable "
+                    "(copies are correct but synchronous and slower)",
+                    self.nbytes / 2**20,
+                )
+        self.allocation_seconds = time.perf_counter() - start
+
+    def _strided(self, offset: int, page: int) -> torch.Tensor:
+        return self.region.as_strided((self.num_blocks, page), (self.block_bytes, 1), offset)
+
+    def _chunk_bounds(self, target: int) -> list[tuple[int, int]]:
+        """``(offset, nbytes)`` chunks covering the region, each ending on a host-block
+        boundary of every slab (so no page straddles two chunks), about ``target`` bytes."""
+        bounds: list[tuple[int, int]] = []
+        slabs = (
+            [(0, self.block_bytes)]
+            if self.interleaved
+            else [
+                (self._offsets[t], self.layout.page_bytes(t) * self.blocks_per_offload_block)
+                for t in range(len(self.tensors))
+            ]
         )
+        for start, row in slabs:
+            if not row or not self.num_blocks:
+                continue
+            rows = max(1, target // row)
+            for first in range(0, self.num_blocks, rows):
+                n = min(rows, self.num_blocks - first)
+                bounds.append((start + first * row, n * row))
+        return bounds
+
+    def _register(self, registrar: Registrar, threads: int | None) -> bool:
+        register, unregister = registrar
+        base = self.region.data_ptr()
+        threads = threads or min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvoffload-pin") as pool:
+            ok = list(pool.map(lambda b: bool(register(base + b[0], b[1])), self.register_bounds))
+        registered = [base + off for (off, _), good in zip(self.register_bounds, ok) if good]
+        if not all(ok):
+            for ptr in registered:  # all or nothing: a partly pinned region is not worth it
+                unregister(ptr)
+            return False
+        # Unregister when the pool goes; the memory lives on in any remaining view, then
+        # as ordinary pageable memory.
+        weakref.finalize(self, _unregister_all, unregister, registered)
+        return True
+
+    def row_offset(self, tensor: int) -> int:
+        """Byte offset in ``region`` of row 0 of ``sub_blocks(tensor)``."""
+        return self._offsets[tensor]
+
+    def row_stride(self, tensor: int) -> int:
+        """Bytes between consecutive rows of ``sub_blocks(tensor)`` in ``region``."""
+        return self._strides[tensor]
 
     def sub_blocks(self, tensor: int) -> torch.Tensor:
         """Tensor ``tensor`` as ``(num_host_blocks * F, page_bytes)``: row ``b*F + k`` is
         sub-block ``k`` of host block ``b``."""
-        return self.tensors[tensor].view(-1, self.layout.page_bytes(tensor))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self.tensors)
+        page = self.layout.page_bytes(tensor)
+        if self.interleaved:
+            return self._strided(self._offsets[tensor], page)
+        return self.tensors[tensor].view(-1, page)
 
     def __repr__(self) -> str:
         return (
             f"HostBlockPool({self.num_blocks} blocks x {self.blocks_per_offload_block} device "
-            f"blocks, {self.nbytes / 2**20:.1f} MiB, pinned={self.pinned})"
+            f"blocks, {self.nbytes / 2**20:.1f} MiB, pinned={self.pinned}, "
+            f"{'interleaved' if self.interleaved else 'tensor-major'})"
         )
+
+
+def _unregister_all(unregister: Callable[[int], None], ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        with contextlib.suppress(Exception):  # at exit the runtime may be gone already
+            unregister(ptr)

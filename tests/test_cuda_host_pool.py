@@ -1,0 +1,131 @@
+"""The host region: exactly the pool's bytes, views into it, pinned in row-aligned chunks on
+several threads, and a pageable fallback when pinning fails."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from kvoffload.transfer import HostBlockPool, KVLayout
+
+PAGES = (48, 16, 40)
+
+
+def layout() -> KVLayout:
+    caches = {f"l{i}": torch.zeros((10, p), dtype=torch.uint8) for i, p in enumerate(PAGES)}
+    return KVLayout.from_layer_tensors(caches, [["l0", "l1"], ["l2"]])
+
+
+class FakeRegistrar:
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+        self.threads: set[int] = set()
+        self._lock = threading.Lock()
+
+    def register(self, ptr: int, nbytes: int) -> bool:
+        time.sleep(0.01)  # pinning takes time: the chunks spread over the threads
+        with self._lock:
+            self.threads.add(threading.get_ident())
+            if self.fail_at is not None and len(self.registered) == self.fail_at:
+                return False
+            self.registered[ptr] = nbytes
+        return True
+
+    def unregister(self, ptr: int) -> None:
+        self.unregistered.append(ptr)
+
+
+@pytest.mark.parametrize(("f", "interleave"), [(1, True), (1, False), (3, False)])
+def test_region_is_exactly_the_pool_and_views_alias_it(f, interleave):
+    pool = HostBlockPool(layout(), 7, f, interleave=interleave)
+    assert pool.nbytes == pool.region.numel() == 7 * f * sum(PAGES)
+    assert pool.block_bytes == f * sum(PAGES)
+    base = pool.region.data_ptr()
+    for t, page in enumerate(PAGES):
+        assert tuple(pool.tensors[t].shape) == (7, page * f)
+        rows = pool.sub_blocks(t)
+        assert tuple(rows.shape) == (7 * f, page)
+        for r in (0, 5, 7 * f - 1):
+            assert rows[r].data_ptr() == base + pool.row_offset(t) + r * pool.row_stride(t)
+        assert pool.tensors[t][2, page * (f - 1) :].data_ptr() == rows[2 * f + f - 1].data_ptr()
+    # the views tile the region: writing every view's bytes covers each region byte once
+    pool.region.zero_()
+    for t in range(len(PAGES)):
+        pool.sub_blocks(t).add_(1)
+    assert torch.equal(pool.region, torch.ones_like(pool.region))
+
+
+def test_interleaved_rows_hold_every_layer_of_a_block_side_by_side():
+    pool = HostBlockPool(layout(), 5, interleave=True)
+    assert [pool.row_offset(t) for t in range(3)] == [0, 48, 64]
+    assert {pool.row_stride(t) for t in range(3)} == {sum(PAGES)}
+
+
+def test_interleaving_needs_one_device_block_per_host_block():
+    with pytest.raises(ValueError, match="blocks_per_offload_block=1, got 2"):
+        HostBlockPool(layout(), 4, 2, interleave=True)
+
+
+def test_cpu_layouts_default_to_tensor_major_and_pageable():
+    pool = HostBlockPool(layout(), 4)
+    assert not pool.interleaved
+    assert pool.pinned == torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_pinned_in_row_aligned_chunks_on_several_threads(interleave):
+    fake = FakeRegistrar()
+    row = sum(PAGES) if interleave else None
+    pool = HostBlockPool(
+        layout(),
+        64,
+        pin_memory=True,
+        interleave=interleave,
+        registrar=(fake.register, fake.unregister),
+        register_threads=4,
+        register_chunk_bytes=500,
+    )
+    assert pool.pinned
+    base = pool.region.data_ptr()
+    spans = sorted((ptr - base, n) for ptr, n in fake.registered.items())
+    # the chunks tile the region exactly, each at most the target (or one row)
+    at = 0
+    for off, n in spans:
+        assert off == at and 0 < n <= 500
+        at += n
+    assert at == pool.nbytes
+    assert spans == sorted(pool.register_bounds)
+    # every chunk ends on a host-block boundary of its slab
+    for off, n in spans:
+        if interleave:
+            assert off % row == 0 and n % row == 0
+        else:
+            t = max(i for i in range(3) if pool.row_offset(i) <= off)
+            assert (off - pool.row_offset(t)) % PAGES[t] == 0 and n % PAGES[t] == 0
+    assert len(fake.threads) > 1
+    del pool
+    gc.collect()
+    assert sorted(fake.unregistered) == sorted(fake.registered)  # released with the pool
+
+
+def test_failed_pinning_falls_back_to_pageable_with_a_warning(caplog):
+    fake = FakeRegistrar(fail_at=2)
+    with caplog.at_level(logging.WARNING, logger="kvoffload.transfer.host_pool"):
+        pool = HostBlockPool(
+            layout(),
+            64,
+            pin_memory=True,
+            registrar=(fake.register, fake.unregister),
+            register_chunk_bytes=500,
+        )
+    assert not pool.pinned
+    assert sorted(fake.unregistered) == sorted(fake.registered)  # nothing left half pinned
+    assert "stays pageable" in caplog.text
+    assert pool.region.numel() == pool.nbytes  # still usable
