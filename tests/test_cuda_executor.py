@@ -1,0 +1,277 @@
+"""CUDAExecutor's own code on CPU tensors, its streams, events and devices played by a fake.
+
+The executor touches CUDA only through its ``cuda`` argument; everything else (staging
+plans, wide views, gathers, scatters, copies to the host region) is the code that runs on
+a GPU. The fake checks the ordering rules a real device would enforce silently: a stream
+may only wait on a recorded event, and every thread that enters a stream context has set
+the layout's device first. Failures are injected into the fake's calls, and into torch ops
+by releasing a tensor's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
+from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
+from kvoffload.transfer.cuda_executor import CUDAExecutor
+from transfer_oracle import assert_state, expected_after, randomize, snapshot, three_group_layer_caches
+
+NUM_DEVICE, NUM_HOST = 32, 16
+
+
+class FakeCuda:
+    """The slice of ``torch.cuda`` the executor uses. ``fail`` maps an operation name
+    (``"Event.record"``, ``"Event.synchronize"``, ``"Stream.wait_event"``, ``"Stream"``)
+    to the 1-based call that raises; ``gate`` (a threading.Event) holds every
+    ``Event.synchronize`` and ``Stream.synchronize`` until it is set."""
+
+    def __init__(self, fail: dict[str, int] | None = None, gate: threading.Event | None = None) -> None:
+        self.fail = dict(fail or {})
+        self.gate = gate
+        self.calls: dict[str, int] = {}
+        self.log: list[tuple] = []
+        self.device_of: dict[int, object] = {}  # thread id -> device set there
+        self._lock = threading.Lock()
+
+    def _call(self, name: str, *detail) -> None:
+        with self._lock:
+            self.calls[name] = n = self.calls.get(name, 0) + 1
+            self.log.append((name, threading.get_ident(), *detail))
+        if self.fail.get(name) == n:
+            raise RuntimeError(f"injected failure of {name} call {n}")
+
+    def _hold(self) -> None:
+        if self.gate is not None:
+            self.gate.wait()
+
+    # -- the torch.cuda surface -----------------------------------------------------------
+
+    def set_device(self, device) -> None:
+        self._call("set_device", device)
+        self.device_of[threading.get_ident()] = device
+
+    def device(self, device):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        assert self.device_of.get(threading.get_ident()) == stream.device, "device not set on this thread"
+        self._call("stream_context")
+        yield
+
+    def current_stream(self, device=None):
+        return FakeStream(self, device)
+
+    def Stream(self, device=None):  # noqa: N802 - torch.cuda's name
+        self._call("Stream")
+        return FakeStream(self, device)
+
+    def Event(self, enable_timing: bool = False, blocking: bool = False):  # noqa: N802
+        return FakeEvent(self, blocking)
+
+
+class FakeStream:
+    def __init__(self, fake: FakeCuda, device) -> None:
+        self.fake, self.device = fake, device
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.fake._call("Stream.wait_event")
+        assert event.recorded, "a stream waits on an event that was never recorded"
+
+    def synchronize(self) -> None:
+        self.fake._call("Stream.synchronize")
+        self.fake._hold()
+
+
+class FakeEvent:
+    def __init__(self, fake: FakeCuda, blocking: bool) -> None:
+        self.fake, self.blocking, self.recorded = fake, blocking, False
+
+    def record(self, stream=None) -> None:
+        self.fake._call("Event.record")
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        self.fake._call("Event.synchronize", self.blocking)
+        self.fake._hold()
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return 0.5
+
+
+def make_layout(kind: str, gen: torch.Generator) -> KVLayout:
+    if kind == "per_layer":
+        caches, groups = three_group_layer_caches(NUM_DEVICE, gen)
+        return KVLayout.from_layer_tensors(caches, groups)
+    if kind == "one_group":  # the common vLLM case: every tensor in one group
+        caches = {f"l{i}": torch.empty((NUM_DEVICE, 2, 8, 4), dtype=torch.float16) for i in range(5)}
+        for c in caches.values():
+            randomize(c.view(torch.uint8), gen)
+        return KVLayout.from_layer_tensors(caches)
+    # (2, num_blocks, ...) K/V caches with padded pages: rows further apart than a page.
+    caches = {}
+    for g, (width, pad) in enumerate(((64, 0), (96, 8), (18, 0))):
+        raw = torch.empty((2, NUM_DEVICE, width + pad), dtype=torch.uint8)
+        randomize(raw, gen)
+        caches[f"layer{g}"] = raw[:, :, :width]
+    return KVLayout.from_layer_tensors(caches, [[n] for n in caches], block_dim=1)
+
+
+def make_engine(kind="per_layer", f=1, interleave=False, seed=0, fake=None, staging=64 << 20, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    layout = make_layout(kind, gen)
+    pool = HostBlockPool(layout, NUM_HOST, f, interleave=interleave)
+    for t in pool.tensors:
+        randomize(t, gen)
+    fake = fake or FakeCuda()
+    executor = CUDAExecutor(layout, pool, staging_bytes=staging, cuda=fake)
+    return layout, pool, fake, executor, TransferEngine(layout, pool, executor=executor, **kw)
+
+
+def random_job(layout, pool, rng):
+    """Random groups, sizes, alignments and ids of one job (distinct destinations)."""
+    f = pool.blocks_per_offload_block
+    sizes = [int(rng.integers(0, 6)) for _ in range(layout.num_groups)]
+    indices = [int(rng.integers(0, 9)) for _ in sizes]
+    spans = [-(-(i % f + n) // f) if n else 0 for n, i in zip(sizes, indices)]
+    device_ids = rng.choice(NUM_DEVICE, sum(sizes), replace=False).tolist()
+    host_ids = rng.choice(NUM_HOST, sum(spans), replace=False).tolist()
+    return device_ids, sizes, indices, host_ids
+
+
+CASES = [
+    ("per_layer", 1, False),
+    ("per_layer", 1, True),
+    ("per_layer", 4, False),
+    ("one_group", 1, True),
+    ("one_group", 3, False),
+    ("kv_split", 1, True),
+    ("kv_split", 2, False),
+]
+
+
+@pytest.mark.parametrize(("kind", "f", "interleave"), CASES)
+@pytest.mark.parametrize("staging", [64 << 20, 1], ids=["one_batch", "row_batches"])
+def test_jobs_are_byte_exact(kind, f, interleave, staging):
+    layout, pool, fake, executor, engine = make_engine(kind, f, interleave, staging=staging)
+    rng = np.random.default_rng(1)
+    with engine:
+        for job_id in range(12):
+            store = bool(job_id % 2)
+            device_ids, sizes, indices, host_ids = random_job(layout, pool, rng)
+            before = snapshot(layout, pool)
+            device, host = DeviceLoadStoreSpec(device_ids, sizes, indices), CPULoadStoreSpec(host_ids)
+            assert engine.submit(job_id, *((device, host) if store else (host, device)))
+            engine.wait([job_id])
+            (result,) = engine.poll()
+            assert result.success, result.error
+            want = expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids)
+            assert_state(layout, pool, want)
+    # the staging cap holds per direction (raised to one row of the widest group)
+    widest_row = max(layout.group_page_bytes(g) for g in range(layout.num_groups))
+    assert executor.peak_staging_bytes <= 2 * (max(staging, widest_row) + 8)
+    assert executor.peak_staging_bytes > 0
+
+
+def test_device_set_and_blocking_events_on_every_copying_thread():
+    layout, pool, fake, executor, engine = make_engine()
+    with engine:
+        engine.submit(1, DeviceLoadStoreSpec([3], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([2]))
+        engine.submit(2, CPULoadStoreSpec([2]), DeviceLoadStoreSpec([7], [1, 0, 0, 0], [0] * 4))
+        engine.wait([1, 2])
+    assert [r.success for r in engine.poll()] == [True, True]
+    copying = {entry[1] for entry in fake.log if entry[0] == "stream_context"}
+    assert len(copying) == 2  # one worker thread per direction
+    assert all(fake.device_of[t] == layout.device for t in copying)
+    waits = [entry[2] for entry in fake.log if entry[0] == "Event.synchronize"]
+    assert waits and all(waits)  # every host wait is on a blocking event
+
+
+def test_failure_at_submit_is_one_failed_result_and_no_pending_id():
+    # The first Event.record is job 1's ready event, on the submitting thread.
+    layout, pool, fake, executor, engine = make_engine(fake=FakeCuda({"Event.record": 1}))
+    store = (DeviceLoadStoreSpec([0], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([1]))
+    with engine:
+        assert engine.submit(1, *store) is True  # no exception
+        engine.wait([1], timeout=5)
+        assert [(r.job_id, r.success) for r in engine.poll()] == [(1, False)]
+        assert engine.submit(1, *store) is True  # the id is free again, and it works
+        engine.wait([1], timeout=5)
+        assert [(r.job_id, r.success) for r in engine.poll()] == [(1, True)]
+    assert engine.poll() == []
+
+
+@pytest.mark.parametrize("failing", ["Stream.wait_event", "Event.synchronize", "Stream"])
+def test_failure_in_a_job_fails_it_once_and_later_jobs_run(failing):
+    layout, pool, fake, executor, engine = make_engine(fake=FakeCuda({failing: 1}))
+    before = snapshot(layout, pool)
+    with engine:
+        for job_id, host in ((1, 1), (2, 2)):
+            engine.submit(job_id, DeviceLoadStoreSpec([5], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([host]))
+        engine.wait([1, 2], timeout=5)
+        results = engine.poll()
+    assert [(r.job_id, r.success) for r in results] == [(1, False), (2, True)]
+    assert results[0].error.startswith("RuntimeError: injected failure")
+    assert engine.poll() == []
+    if failing != "Stream":  # the stream existed: it was fenced before the report
+        assert fake.calls.get("Stream.synchronize") == 1
+    want = expected_after(layout, pool, before, True, [5], [1, 0, 0, 0], [0] * 4, [2])
+    for t in layout.groups[0]:  # the failed job's destination is unspecified
+        want[1][t][1] = pool.tensors[t][1]
+    assert_state(layout, pool, want)
+
+
+def test_failed_job_is_reported_only_after_its_stream_is_fenced():
+    # Job 1's end event fails to record (its copies are queued by then); the fence holds.
+    gate = threading.Event()
+    fake = FakeCuda({"Event.record": 3}, gate)  # 1: ready, 2: start, 3: end
+    layout, pool, fake, executor, engine = make_engine(fake=fake)
+    with engine:
+        try:
+            engine.submit(1, DeviceLoadStoreSpec([5], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([1]))
+            deadline = time.monotonic() + 5
+            while not fake.calls.get("Stream.synchronize") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert fake.calls.get("Stream.synchronize") == 1  # the fence runs...
+            with pytest.raises(TimeoutError):
+                engine.wait([1], timeout=0.2)  # ...and the job is not finished before it ends
+            assert engine.poll() == []
+        finally:
+            gate.set()
+        engine.wait([1], timeout=5)
+        assert [(r.job_id, r.success) for r in engine.poll()] == [(1, False)]
+
+
+def test_a_torch_error_mid_job_fails_only_that_job():
+    layout, pool, fake, executor, engine = make_engine()
+    layout.tensors[layout.groups[1][0]].untyped_storage().resize_(0)  # memory released
+    with engine:
+        engine.submit(1, DeviceLoadStoreSpec([0, 1], [1, 1, 0, 0], [0] * 4), CPULoadStoreSpec([0, 1]))
+        engine.submit(2, DeviceLoadStoreSpec([5], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([4]))
+        engine.wait([1, 2], timeout=5)
+        assert [(r.job_id, r.success) for r in engine.poll()] == [(1, False), (2, True)]
+    assert fake.calls.get("Stream.synchronize") == 1
+
+
+def test_close_is_bounded_and_reports_a_stuck_job_once():
+    gate = threading.Event()  # every host wait hangs: a device that never finishes
+    layout, pool, fake, executor, engine = make_engine(fake=FakeCuda(gate=gate), close_timeout=0.3)
+    engine.submit(1, DeviceLoadStoreSpec([0], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([0]))
+    engine.submit(2, DeviceLoadStoreSpec([1], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([1]))
+    start = time.monotonic()
+    engine.close()
+    assert time.monotonic() - start < 5
+    results = engine.poll()
+    assert sorted((r.job_id, r.success) for r in results) == [(1, False), (2, False)]
+    assert all(r.direction == "store" for r in results)
+    gate.set()  # the stuck copy ends after all: no second result
+    time.sleep(0.3)
+    assert engine.poll() == []
+    engine.wait([1, 2], timeout=1)
