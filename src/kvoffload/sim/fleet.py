@@ -141,6 +141,7 @@ def simulate(
     """Replay ``trace`` over ``replicas`` replicas routed by ``routing`` (module doc)."""
     positive_int("replicas", replicas)
     non_negative_int("host_blocks", host_blocks)
+    (routing,) = validate_routings([routing])
     window = LoadWindow(replicas, default_load_window(replicas) if load_window is None else load_window)
     bs = trace.block_size
     router = make_router(

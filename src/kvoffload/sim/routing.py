@@ -10,9 +10,10 @@ Contract:
   loads, 1.0 while every load is 0. Counting requests, not milliseconds, keeps the load
   defined for traces without timestamps and independent of a guessed service rate.
 * ``Router.choose(hashes, loads) -> replica`` with ``hashes`` the request's chained block
-  hashes (``uint64``) and ``loads`` the window's loads; afterwards ``guarded`` tells
-  whether the load-balance guard decided and ``predicted`` is the index's (device, host)
-  prefix, in blocks, for the replica chosen (``None`` for routers without an index).
+  hashes (``uint64``) and ``loads`` the ``LoadWindow``; afterwards ``guarded`` tells
+  whether the load-balance guard decided and ``predicted`` is the index's cumulative
+  (device, device + host) prefix, in blocks, for the replica chosen (``None`` for routers
+  without an index).
   ``Router.observe(replica, device_events, host_events)`` hands over the
   ``OffloadingEvent`` s the replica's tiers queued while serving; only routers with
   ``wants_events`` read them.
