@@ -11,6 +11,7 @@ under ``CI`` (``make test`` installs it).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,10 +23,23 @@ import pytest
 EVENTS = "Egxe"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(with_bus: bool = False) -> int:
+    """A free loopback port; ``with_bus``: also port + 10000 (a cluster node's bus port)."""
+    if not with_bus:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 40000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def require_redis_server() -> str:
@@ -39,10 +53,12 @@ def require_redis_server() -> str:
 
 
 class RedisServer:
-    def __init__(self, tmp_path, maxmemory: str | None = None, notifications: bool = True):
+    def __init__(
+        self, tmp_path, maxmemory: str | None = None, notifications: bool = True, cluster: bool = False
+    ):  # noqa: E501
         self.binary = require_redis_server()
         self.dir = tmp_path
-        self.port = free_port()
+        self.port = free_port(with_bus=cluster)
         self.maxmemory = maxmemory
         self.notifications = notifications
         self.proc: subprocess.Popen | None = None
@@ -96,3 +112,42 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+class RedisCluster:
+    """``masters`` redis-server processes joined into one Redis Cluster on loopback (no
+    replicas; a dead master's slots stay down while the others serve)."""
+
+    def __init__(self, tmp_path, masters: int = 3):
+        self.nodes = []
+        for i in range(masters):
+            folder = tmp_path / f"node{i}"
+            folder.mkdir()
+            self.nodes.append(RedisServer(folder, notifications=False, cluster=True))
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> RedisCluster:
+        extra = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-require-full-coverage", "no", "--cluster-node-timeout", "2000")  # fmt: skip
+        for node in self.nodes:
+            node.start(extra)
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        subprocess.run(
+            [shutil.which("redis-cli"), "--cluster", "create", *addresses, "--cluster-replicas", "0",
+             "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all(node.client().cluster("info").get("cluster_state") == "ok" for node in self.nodes):
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

@@ -91,5 +91,5 @@ def connect(settings: ServerSettings):
     if settings.cluster:
         from redis.cluster import RedisCluster
 
-        return RedisCluster.from_url(settings.url, cluster_error_retry_attempts=0, **options)
+        return RedisCluster.from_url(settings.url, **options)
     return redis.Redis.from_url(settings.url, **options)

@@ -15,8 +15,9 @@ collects with ``answers()`` (never blocks).
 * ``resync``: the notification stream was (re)connected after a loss: what was missed is
   unknown, so the manager should reconcile.
 
-A ``CircuitBreaker`` guards every call: while open, probes fail at once. Notifications
-are off on a Redis Cluster (they are per node); reconciliation covers it.
+Calls go through ``NodeCalls`` (a circuit breaker per node): while a node is down, probes
+of its keys fail at once. Notifications are off on a Redis Cluster (they are per node);
+reconciliation covers it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvoffload.tiers.redis.breaker import CircuitBreaker
+from kvoffload.tiers.redis.calls import NodeCalls, NodeDown
 from kvoffload.tiers.redis.format import KeyNames
 
 log = logging.getLogger("kvoffload.tiers.redis")
@@ -48,16 +49,15 @@ class RemoteLookups:
         self,
         connect: Callable[[], object],
         names: KeyNames,
-        breaker: CircuitBreaker,
+        calls: NodeCalls,
         notifications: bool = True,
         db: int = 0,
     ) -> None:
         self._connect = connect
         self._names = names
-        self.breaker = breaker
+        self.calls = calls
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
-        self._client = None
         self._stop = threading.Event()
         self._db = db
         self.probes_sent = 0
@@ -103,11 +103,6 @@ class RemoteLookups:
 
     # -- background thread ---------------------------------------------------------------
 
-    def _client_or_none(self):
-        if self._client is None:
-            self._client = self._connect()
-        return self._client
-
     def _run(self) -> None:
         while not self._stop.is_set():
             batch = [self._requests.get()]
@@ -126,37 +121,18 @@ class RemoteLookups:
                     for start in range(0, len(item), BATCH):
                         self._exists(item[start : start + BATCH], None, "gone", None)
 
-    def _pipeline(self, call: Callable, names: list[bytes]) -> list | None:
-        if not self.breaker.allow():
-            return None
-        try:
-            pipe = self._client_or_none().pipeline(transaction=False)
-            for name in names:
-                call(pipe, name)
-            replies = pipe.execute()
-        except Exception as exc:  # noqa: BLE001 - any client or network error opens the breaker
-            self._client = None
-            self.breaker.failure(exc)
-            return None
-        self.breaker.success()
-        return replies
-
     def _exists(self, keys: Sequence[bytes], hit: str | None, miss: str, failed: str | None) -> None:
         self.probes_sent += len(keys)
-        replies = self._pipeline(lambda pipe, name: pipe.exists(name), self._names.names(keys))
-        if replies is None:
-            if failed:
-                self._answers.put(Answer(failed, tuple(keys)))
-            return
-        present = tuple(key for key, n in zip(keys, replies) if n)
-        absent = tuple(key for key, n in zip(keys, replies) if not n)
-        if hit and present:
-            self._answers.put(Answer(hit, present))
-        if absent:
-            self._answers.put(Answer(miss, absent))
+        replies = self.calls.run(self._names.names(keys), lambda pipe, name, _: pipe.exists(name))
+        verdicts: dict[str | None, list[bytes]] = {hit: [], miss: [], failed: []}
+        for key, reply in zip(keys, replies):
+            verdicts[failed if isinstance(reply, NodeDown) else hit if reply else miss].append(key)
+        for kind, found in verdicts.items():
+            if kind and found:
+                self._answers.put(Answer(kind, tuple(found)))
 
     def _unlink(self, keys: Sequence[bytes]) -> None:
-        self._pipeline(lambda pipe, name: pipe.unlink(name), self._names.names(keys))
+        self.calls.run(self._names.names(keys), lambda pipe, name, _: pipe.unlink(name))
 
     # -- keyspace notifications ----------------------------------------------------------
 
@@ -188,7 +164,7 @@ class RemoteLookups:
                     if key is not None:
                         self._answers.put(Answer("gone", (key,)))
             except Exception:  # noqa: BLE001 - reconnect after any error, paced by the breaker delay
-                self._stop.wait(self.breaker.max_delay / 4)
+                self._stop.wait(2.5)
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):

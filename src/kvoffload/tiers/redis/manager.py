@@ -185,7 +185,7 @@ class RedisOffloadingManager(OffloadingManager):
             self._counters.probe_timeouts += 1
             self._absent[key] = now + self.absent_ttl
             return _MISS
-        if self._remote.breaker.is_open:
+        if self._remote.calls.down:
             return _MISS
         if len(self._absent) > 65536:
             self._absent = {k: t for k, t in self._absent.items() if t > now}
@@ -267,7 +267,7 @@ class RedisOffloadingManager(OffloadingManager):
         return replace(self._book.stats(), medium=self.medium)
 
     def counters(self) -> RedisManagerCounters:
-        return self._counters.snapshot(outages=self._remote.breaker.outages)
+        return self._counters.snapshot(outages=self._remote.calls.outages)
 
     def on_new_request(self, request: RequestContext) -> None:
         self._book.on_new_request(request)

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvoffload.manager import OffloadingManager
-from kvoffload.tiers.redis.breaker import CircuitBreaker
+from kvoffload.tiers.redis.calls import NodeCalls
 from kvoffload.tiers.redis.client import ServerSettings, check_url, connect, redact
 from kvoffload.tiers.redis.format import KeyNames, redis_namespace, value_bytes
 from kvoffload.tiers.secondary import SecondaryTierType, TierContext
@@ -124,9 +124,9 @@ class RedisTierType(SecondaryTierType):
                 raise ValueError(f"bytes_to_use={self.bytes_to_use} holds no block ({per_block} bytes each)")
         else:
             capacity = self.max_index_blocks
-        breaker = CircuitBreaker(f"redis tier {self.server.shown} (lookups)")
-        lookups = RemoteLookups(self._connect, self._names(context), breaker,
-                                notifications=not self.server.cluster)  # fmt: skip
+        calls = NodeCalls(self._connect, f"redis tier {self.server.shown} (lookups)", self.server.cluster)
+        notifications = not self.server.cluster  # per node on a cluster: reconciliation instead
+        lookups = RemoteLookups(self._connect, self._names(context), calls, notifications=notifications)
         return RedisOffloadingManager(
             lookups,
             capacity,
@@ -140,14 +140,8 @@ class RedisTierType(SecondaryTierType):
     def build_worker(self, context: TierContext, host_pool: Any) -> OffloadingWorker:
         from kvoffload.tiers.redis.worker import RedisWorker
 
-        worker = RedisWorker(
-            host_pool,
-            self._connect,
-            self._names(context),
-            io_threads=self.io_threads,
-            ttl=self.ttl,
-            breaker=CircuitBreaker(f"redis tier {self.server.shown} (transfers)"),
-        )
+        calls = NodeCalls(self._connect, f"redis tier {self.server.shown} (transfers)", self.server.cluster)
+        worker = RedisWorker(host_pool, calls, self._names(context), io_threads=self.io_threads, ttl=self.ttl)
         if worker.block_bytes != context.block_bytes:
             worker.close()
             raise ValueError(

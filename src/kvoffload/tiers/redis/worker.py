@@ -22,17 +22,19 @@ Contract, beyond ``kvoffload.worker``:
   expired since the lookup) fails the load; a value whose header, key, namespace digest
   or CRC does not match fails it too, is deleted from the server (``UNLINK``) and is
   counted in ``corrupt_values``: it never reaches the engine.
-* Every call is bounded by the client's timeouts; a ``CircuitBreaker`` fails jobs at once
-  while the server is down (``stores_dropped``, ``loads_failed``) and lets a call through
-  now and then to notice its return. Nothing raises out of ``submit``/``poll`` for
-  network errors.
+* Every call is bounded by the client's timeouts and goes through ``NodeCalls``: one
+  pipeline per node, a circuit breaker per node that fails a job's keys of a down node at
+  once (``stores_dropped``, ``loads_failed``) and lets a call through now and then to
+  notice its return. On a cluster a job's keys on healthy nodes are still written (a
+  failed store leaves them as harmless extra copies). Nothing raises out of
+  ``submit``/``poll`` for network errors.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ import numpy as np
 
 from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, CPULoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
-from kvoffload.tiers.redis.breaker import CircuitBreaker
+from kvoffload.tiers.redis.calls import NodeCalls, NodeDown
 from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode
 from kvoffload.validation import positive_int
 from kvoffload.worker import OffloadingWorker, Route, TransferResult
@@ -78,21 +80,18 @@ class RedisWorker(OffloadingWorker):
     def __init__(
         self,
         host_pool,
-        connect: Callable[[], object],
+        calls: NodeCalls,
         names: KeyNames,
         *,
         io_threads: int = 2,
         ttl: int | None = None,
-        breaker: CircuitBreaker | None = None,
     ) -> None:
         self.host_pool = host_pool
         self._rows = [t.numpy() for t in host_pool.tensors]  # (num_host_blocks, row bytes)
         self.block_bytes = sum(int(r.shape[1]) for r in self._rows)
-        self._connect = connect
+        self.calls = calls
         self._names = names
         self._ttl = ttl
-        self.breaker = breaker or CircuitBreaker("redis tier (worker)")
-        self._local = threading.local()
         self._pool = ThreadPoolExecutor(positive_int("io_threads", io_threads), "kvoffload-redis-io")
         self._lock = threading.Condition()
         self._pending: set[int] = set()
@@ -127,31 +126,15 @@ class RedisWorker(OffloadingWorker):
 
     # -- the jobs ------------------------------------------------------------------------
 
-    def _client(self):
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = self._connect()
-        return client
-
     def _run(self, job_id: int, direction: str, host_ids: list[int], keys: list[bytes]) -> None:
         start = time.perf_counter()
-        error = None
-        moved = 0
         try:
-            if not self.breaker.allow():
-                raise _JobFailed("the server is unavailable (circuit open)")
-            try:
-                moved = (self._store if direction == STORE else self._load)(host_ids, keys)
-            except (_JobFailed, CorruptValue):
-                self.breaker.success()  # the server answered
-                raise
-            except Exception as exc:  # noqa: BLE001 - network, timeout, server errors
-                self._local.client = None
-                self.breaker.failure(exc)
-                raise _JobFailed(f"{type(exc).__name__}: {exc}") from None
-            self.breaker.success()
-        except (_JobFailed, CorruptValue) as exc:
-            error = str(exc)
+            moved = (self._store if direction == STORE else self._load)(host_ids, keys)
+            error = None
+        except _JobFailed as exc:
+            moved, error = 0, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a job never raises into the engine
+            moved, error = 0, f"{type(exc).__name__}: {exc}"
         with self._lock:
             counters = self._counters
             if direction == STORE:
@@ -162,14 +145,7 @@ class RedisWorker(OffloadingWorker):
                 counters.loads_failed += error is not None
             self._pending.discard(job_id)
             self._results.append(
-                TransferResult(
-                    job_id,
-                    error is None,
-                    moved if error is None else 0,
-                    time.perf_counter() - start,
-                    direction,
-                    error,
-                )  # fmt: skip
+                TransferResult(job_id, error is None, moved, time.perf_counter() - start, direction, error)
             )
             self._lock.notify_all()
 
@@ -177,27 +153,32 @@ class RedisWorker(OffloadingWorker):
         return [rows[host_id] for rows in self._rows]
 
     def _store(self, host_ids: list[int], keys: list[bytes]) -> int:
-        digest, ttl = self._names.digest, self._ttl
-        pipe = self._client().pipeline(transaction=False)
-        for host_id, key, name in zip(host_ids, keys, self._names.names(keys)):
-            pipe.set(name, encode(key, self._payload(host_id), digest), nx=True, ex=ttl)
-        replies = pipe.execute()
+        digest, ttl, payload = self._names.digest, self._ttl, self._payload
+
+        def add(pipe, name: bytes, i: int) -> None:
+            pipe.set(name, encode(keys[i], payload(host_ids[i]), digest), nx=True, ex=ttl)
+
+        replies = self.calls.run(self._names.names(keys), add)
+        down = next((r for r in replies if isinstance(r, NodeDown)), None)
         with self._lock:
-            self._counters.blocks_written += sum(1 for r in replies if r)
-            self._counters.already_present += sum(1 for r in replies if not r)
+            self._counters.blocks_written += sum(1 for r in replies if r is True)
+            self._counters.already_present += sum(1 for r in replies if r is None)
+        if down is not None:
+            raise _JobFailed(f"store failed: {down.reason}")
+        with self._lock:
             self._counters.bytes_written += self.block_bytes * len(keys)
         return self.block_bytes * len(keys)
 
     def _load(self, host_ids: list[int], keys: list[bytes]) -> int:
         names = self._names.names(keys)
-        pipe = self._client().pipeline(transaction=False)
-        for name in names:
-            pipe.get(name)
-        values = pipe.execute()
+        values = self.calls.run(names, lambda pipe, name, _: pipe.get(name))
         digest, size = self._names.digest, self.block_bytes
         corrupt: list[bytes] = []
         failure = None
         for host_id, key, name, value in zip(host_ids, keys, names, values):
+            if isinstance(value, NodeDown):
+                failure = failure or f"load failed: {value.reason}"
+                continue
             if value is None:
                 failure = failure or f"block {key.hex()} is no longer on the server"
                 with self._lock:
@@ -217,7 +198,7 @@ class RedisWorker(OffloadingWorker):
         if corrupt:
             with self._lock:
                 self._counters.corrupt_values += len(corrupt)
-            self._client().unlink(*corrupt)
+            self.calls.run(corrupt, lambda pipe, name, _: pipe.unlink(name))
         if failure:
             raise _JobFailed(failure)
         with self._lock:
@@ -240,7 +221,7 @@ class RedisWorker(OffloadingWorker):
 
     def counters(self) -> RedisWorkerCounters:
         with self._lock:
-            return self._counters.snapshot(outages=self.breaker.outages)
+            return self._counters.snapshot(outages=self.calls.outages)
 
     def close(self) -> None:
         """Let queued jobs finish (each bounded by the client's timeouts), then release."""
