@@ -89,14 +89,23 @@ def test_staging_bytes_stay_under_the_cap_and_every_page_is_planned_once(interle
     }
 
 
-def test_copies_never_cross_a_registration_chunk():
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_copies_are_split_where_a_registration_chunk_ends(coalesce):
     layout = one_group_layout()
-    row = LAYERS * PAGE
-    pool = HostBlockPool(layout, NUM_HOST, interleave=True, register_chunk_bytes=4 * row)
-    (batch,) = plan_batches(pieces(layout, np.arange(12), np.arange(2, 14)), pool, 1 << 20)
-    # host rows 2..13 in chunks of 4 rows: [2,3] [4..7] [8..11] [12,13]
-    assert batch.host.tolist() == [2 * row, 4 * row, 8 * row, 12 * row]
-    assert batch.nbytes.tolist() == [2 * row, 4 * row, 4 * row, 2 * row]
+    row = LAYERS * PAGE  # 384 bytes: rows straddle the 4096-byte chunk ends
+    pool = HostBlockPool(layout, NUM_HOST, interleave=True, register_chunk_bytes=4096)
+    assert [off for off, _ in pool.register_bounds] == [0, 4096, 8192, 12288]
+    (batch,) = plan_batches(pieces(layout, np.arange(12), np.arange(2, 14)), pool, 1 << 20, coalesce)
+    ends = batch.host + batch.nbytes
+    for h, e in zip(batch.host.tolist(), ends.tolist()):
+        assert h // 4096 == (e - 1) // 4096  # inside one chunk
+    if coalesce:
+        assert batch.host.tolist() == [2 * row, 4096]
+        assert batch.nbytes.tolist() == [4096 - 2 * row, 14 * row - 4096]
+    # still every byte exactly once, staging in host order
+    assert batch.nbytes.sum() == 12 * row
+    assert (np.diff(batch.staging) == batch.nbytes[:-1]).all()
+    assert (batch.staging - batch.host == -2 * row).all()
 
 
 def test_groups_with_their_own_tensors_stage_only_their_tensors():

@@ -17,14 +17,17 @@ side, so a run of consecutive host ids is one contiguous byte range across all l
 crosses the bus in one copy; with F > 1 the two views above cannot both exist over an
 interleaved region, so it is refused.
 
-Pinning. One region of exactly the pool's size, allocated pageable and then registered
-with ``cudaHostRegister`` in row-aligned chunks on several threads (pinning faults every
-page in, which is what takes time). Why not ``pin_memory=True``: PyTorch's caching host
-allocator rounds an allocation up to a power of two (up to 2x the memory), and one
-allocation per tensor wastes that per tensor. When registration fails, the region stays
-pageable with a logged warning: copies are then correct but synchronous and slower.
-Registration chunks end on host-block boundaries, so no page straddles two of them;
-``register_bounds`` lists them for copy planners that keep each copy inside one.
+Pinning. One region of exactly the pool's size, mapped anonymously (page-aligned, pages
+faulted in on first touch) and then registered with ``cudaHostRegister`` in chunks on
+several threads (registering faults every page in and locks it, which is what takes
+time). Chunks start and end on page boundaries: the driver pins whole pages, so two
+chunks sharing a page would overlap and the second registration would fail. Copy
+planners keep each copy inside one chunk (``register_bounds``): a copy spanning two
+registrations is not one pinned range to the driver. Why not ``pin_memory=True``:
+PyTorch's caching host allocator rounds an allocation up to a power of two (up to 2x the
+memory), and one allocation per tensor wastes that per tensor. When registration fails,
+the region stays pageable with a logged warning: copies are then correct but synchronous
+and slower.
 
 Size. The pool is sized by its caller. In the vLLM integration ``cpu_bytes_to_use`` is
 currently divided by the host bytes of *this worker's* shard, so each worker of a
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import time
 import weakref
@@ -121,7 +125,7 @@ class HostBlockPool:
         self.block_bytes = sum(pages) * f
         self.nbytes = self.block_bytes * num_host_blocks
         start = time.perf_counter()
-        self.region = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.region = _allocate(self.nbytes)
         self._offsets: list[int] = []
         self._strides: list[int] = []
         views = []
@@ -155,25 +159,9 @@ class HostBlockPool:
         return self.region.as_strided((self.num_blocks, page), (self.block_bytes, 1), offset)
 
     def _chunk_bounds(self, target: int) -> list[tuple[int, int]]:
-        """``(offset, nbytes)`` chunks covering the region, each ending on a host-block
-        boundary of every slab (so no page straddles two chunks), about ``target`` bytes."""
-        bounds: list[tuple[int, int]] = []
-        slabs = (
-            [(0, self.block_bytes)]
-            if self.interleaved
-            else [
-                (self._offsets[t], self.layout.page_bytes(t) * self.blocks_per_offload_block)
-                for t in range(len(self.tensors))
-            ]
-        )
-        for start, row in slabs:
-            if not row or not self.num_blocks:
-                continue
-            rows = max(1, target // row)
-            for first in range(0, self.num_blocks, rows):
-                n = min(rows, self.num_blocks - first)
-                bounds.append((start + first * row, n * row))
-        return bounds
+        """``(offset, nbytes)`` page-aligned chunks of about ``target`` bytes tiling the region."""
+        chunk = max(mmap.PAGESIZE, target - target % mmap.PAGESIZE)
+        return [(off, min(chunk, self.nbytes - off)) for off in range(0, self.nbytes, chunk)]
 
     def _register(self, registrar: Registrar, threads: int | None) -> bool:
         register, unregister = registrar
@@ -213,6 +201,14 @@ class HostBlockPool:
             f"blocks, {self.nbytes / 2**20:.1f} MiB, pinned={self.pinned}, "
             f"{'interleaved' if self.interleaved else 'tensor-major'})"
         )
+
+
+def _allocate(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-aligned host memory, lazily faulted in (an anonymous mapping, so
+    every chunk can be registered on its own pages)."""
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def _unregister_all(unregister: Callable[[int], None], ptrs: list[int]) -> None:

@@ -16,8 +16,8 @@ it), so a job of any size runs in bounded device memory. Within a batch:
   the group's tensors, where its page of the chunk's ``i``-th row sits in staging:
   ``offset + i * stride``;
 * ``host``, ``staging``, ``nbytes``: the copies, byte offsets into ``pool.region`` and the
-  staging buffer. A copy never crosses one of ``pool.register_bounds`` (a copy spanning
-  two pinned registrations would be staged by the driver as pageable).
+  staging buffer. A copy never crosses one of ``pool.register_bounds`` (to the driver a
+  copy spanning two pinned registrations is not one pinned range); copies are split there.
 
 ``coalesce=False`` plans one copy per page (the per-row path, kept for measurement).
 Pure numpy: the executor runs the plan, tests check it without a device.
@@ -76,21 +76,46 @@ def _groups(pieces: Sequence[Piece]) -> list[tuple[list[int], np.ndarray, np.nda
 
 
 def _copies(
-    host: np.ndarray, lengths: np.ndarray, base: int, bound_starts: np.ndarray, coalesce: bool
+    host: np.ndarray, lengths: np.ndarray, bound_starts: np.ndarray, coalesce: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge pages (host offsets, lengths, laid out densely in staging from ``base``) into
-    copies of contiguous host ranges that stay within one registration chunk."""
-    staging = base + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-    if not len(host):
+    """Pages (host offsets and lengths, laid out densely in staging from 0) as copies of
+    contiguous host ranges, merged unless ``coalesce`` is off, split at chunk starts."""
+    staging = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    if len(host) and coalesce:
+        joins = host[1:] == host[:-1] + lengths[:-1]
+        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+        ends = np.concatenate((starts[1:], [len(host)]))
+        totals = np.concatenate(([0], np.cumsum(lengths)))
+        host, staging, lengths = (
+            host[starts],
+            staging[starts],
+            (totals[ends] - totals[starts]).astype(np.int64),
+        )
+    first = np.searchsorted(bound_starts, host, side="right")
+    last = np.searchsorted(bound_starts, host + lengths - 1, side="right")
+    crossing = np.flatnonzero(first != last)
+    if not len(crossing):
         return host, staging, lengths
-    if not coalesce:
-        return host, staging, lengths
-    chunk = np.searchsorted(bound_starts, host, side="right")
-    joins = (host[1:] == host[:-1] + lengths[:-1]) & (chunk[1:] == chunk[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    ends = np.concatenate((starts[1:], [len(host)]))
-    totals = np.concatenate(([0], np.cumsum(lengths)))
-    return host[starts], staging[starts], (totals[ends] - totals[starts]).astype(np.int64)
+    out_h, out_s, out_n = [], [], []
+    previous = 0
+    for k in crossing.tolist():  # rare: one per chunk end inside the job
+        out_h.append(host[previous:k])
+        out_s.append(staging[previous:k])
+        out_n.append(lengths[previous:k])
+        cuts = bound_starts[first[k] : last[k]]
+        edges = np.concatenate(([host[k]], cuts, [host[k] + lengths[k]]))
+        out_h.append(edges[:-1])
+        out_s.append(staging[k] + edges[:-1] - host[k])
+        out_n.append(np.diff(edges))
+        previous = k + 1
+    out_h.append(host[previous:])
+    out_s.append(staging[previous:])
+    out_n.append(lengths[previous:])
+    return (
+        np.concatenate(out_h).astype(np.int64),
+        np.concatenate(out_s).astype(np.int64),
+        np.concatenate(out_n).astype(np.int64),
+    )
 
 
 def plan_batches(
@@ -109,7 +134,7 @@ def plan_batches(
         nonlocal batch
         if batch.gathers:
             host, length = np.concatenate(hosts), np.concatenate(lengths)
-            batch.host, batch.staging, batch.nbytes = _copies(host, length, 0, bound_starts, coalesce)
+            batch.host, batch.staging, batch.nbytes = _copies(host, length, bound_starts, coalesce)
             batches.append(batch)
         batch = Batch()
         hosts.clear()
