@@ -104,3 +104,29 @@ def test_secondary_tier_events_are_self_described_with_vllm_storage_fields():
     assert {e.medium for e in removed} == {"CPU"}  # room made for the promotion
     assert promoted.medium == "CPU" and promoted.block_hashes == cpu_stored.block_hashes
     assert (promoted.token_ids, promoted.block_size, promoted.parent_block_hash) == ([], 0, None)
+
+
+class RemoteShelf(Shelf):
+    medium = "REMOTE"  # the shared Redis tier's medium: STORAGE, REMOTE, redis on the wire
+
+
+def test_shared_tier_events_say_storage_remote_redis_and_the_index_reads_them_as_shared():
+    from kvoffload.index.tiers import SHARED, tier_of
+
+    primary = CPUOffloadingManager(2, "lru", enable_events=True)
+    sched = OffloadingScheduler(
+        TieredOffloadingManager(primary, [RemoteShelf(8, "lru", enable_events=True)]),
+        [KVGroup(4)],
+        hash_block_size=4,
+    )
+    run_prefill(sched, Req("a", list(range(9))), [[1, 2, 3]])
+    (cpu_stored,) = sched.take_events()
+    complete(sched, sched.build_step([]).transfers)
+    (remote_stored,) = sched.take_events()
+    assert (remote_stored.medium, remote_stored.locality, remote_stored.ownership) == (
+        "STORAGE",
+        "REMOTE",
+        "redis",
+    )
+    assert remote_stored.block_hashes == cpu_stored.block_hashes and remote_stored.token_ids == list(range(8))
+    assert tier_of(remote_stored.medium, remote_stored.locality) == SHARED
