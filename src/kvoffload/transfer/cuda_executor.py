@@ -85,6 +85,7 @@ class CUDAExecutor:
         if not pool.pinned:
             logger.warning("kvoffload: the host pool is not pinned: device copies will be synchronous")
         self._device_dtypes = [widest_view_dtype(t) for t in layout.tensors]
+        self._device_views: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._lock = threading.Lock()
         self._states: list[_State] = []
         self.peak_staging_bytes = 0
@@ -203,4 +204,7 @@ class CUDAExecutor:
         view = staging.view(dtype).as_strided(
             (n, page // width), (col.stride // width, 1), col.offset // width
         )
-        return self.layout.tensors[col.tensor].view(dtype), view
+        key = (col.tensor, dtype)
+        if key not in self._device_views:
+            self._device_views[key] = self.layout.tensors[col.tensor].view(dtype)
+        return self._device_views[key], view

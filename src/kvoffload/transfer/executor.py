@@ -10,8 +10,10 @@ copies device -> host, a load host -> device.
 * ``new_state()`` is called once per engine worker thread, on that thread, before its first
   job; the state (CUDA: a side stream) is passed to every ``run`` of that thread.
 * ``run(store, pieces, state, ready)`` copies every piece and returns the copy seconds, or
-  raises: the engine turns an exception into a failed result. A job whose ``run`` raised
-  has unspecified destination rows and touched nothing else.
+  raises: the engine turns an exception into a failed result at once. A job whose ``run``
+  raised has unspecified destination rows and touched nothing else, and none of its
+  copies may still be running when ``run`` raises (an asynchronous executor fences its
+  stream first): the caller may hand the destination to new data as soon as it hears.
 * ``close()`` releases the executor's own threads or handles.
 """
 

@@ -81,7 +81,13 @@ def cuda_registrar(device: torch.device | None = None) -> Registrar | None:
             torch.cuda.set_device(index)  # each registering thread: the pool's device
         # 1 = cudaHostRegisterPortable: pinned for every device's context, not only the
         # one current on this thread.
-        return cudart.cudaHostRegister(ptr, nbytes, 1) == success
+        if cudart.cudaHostRegister(ptr, nbytes, 1) == success:
+            return True
+        # The failure is also this thread's pending CUDA error, which the next kernel
+        # launch check on this thread would report as its own: take it now.
+        with contextlib.suppress(RuntimeError):
+            torch.zeros(1, device="cuda" if index is None else f"cuda:{index}")
+        return False
 
     def unregister(ptr: int) -> None:
         cudart.cudaHostUnregister(ptr)
@@ -167,8 +173,16 @@ class HostBlockPool:
         register, unregister = registrar
         base = self.region.data_ptr()
         threads = threads or min(8, os.cpu_count() or 1)
+
+        def pin(bound: tuple[int, int]) -> bool:
+            try:
+                return bool(register(base + bound[0], bound[1]))
+            except Exception as exc:  # noqa: BLE001 - pinning is an optimisation: fall back
+                logger.warning("kvoffload: pinning %d bytes raised %s", bound[1], exc)
+                return False
+
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvoffload-pin") as pool:
-            ok = list(pool.map(lambda b: bool(register(base + b[0], b[1])), self.register_bounds))
+            ok = list(pool.map(pin, self.register_bounds))
         registered = [base + off for (off, _), good in zip(self.register_bounds, ok) if good]
         if not all(ok):
             for ptr in registered:  # all or nothing: a partly pinned region is not worth it
