@@ -226,9 +226,42 @@ def test_cli_fleet_end_to_end(tmp_path, capsys, monkeypatch):
         (["--replicas", "2", "--policies", "belady"], "--policies 'belady'"),
         (["--routing", "kv_aware"], "--routing 'kv_aware' needs --replicas"),
         (["--balance-threshold", "2"], "--balance-threshold 2.0 needs --replicas"),
+        (["--shared-capacity", "10%"], "--shared-capacity '10%' needs --replicas"),
+        (["--replicas", "2", "--shared-capacity", "lots"], "--shared-capacity"),
+        (["--replicas", "2", "--shared-capacity", "10%", "--remote-bandwidth", "fast"], "--remote-bandwidth"),
     ],
 )
 def test_cli_bad_fleet_values_are_named(tmp_path, flags, named):
     with pytest.raises(SystemExit) as err:
         main(["sim", "chat", "--csv", str(tmp_path / "x.csv"), "--png", str(tmp_path / "x.png"), *flags])
     assert named in str(err.value)
+
+
+def test_a_shared_tier_serves_what_other_replicas_computed(chat):
+    without = simulate(chat, 4, "round_robin", 30, device_blocks=20)
+    shared = simulate(chat, 4, "round_robin", 30, device_blocks=20, shared_blocks=100_000)
+    assert without.shared_hit_ratio == 0 and without.shared_bytes == 0
+    assert shared.shared_hit_ratio > 0.1 and shared.hit_ratio > without.hit_ratio + 0.1
+    assert shared.hit_ratio == pytest.approx(
+        shared.device_hit_ratio + shared.host_hit_ratio + shared.shared_hit_ratio
+    )
+    # the shared hits are fetched over the network, then loaded like host hits
+    block_bytes = chat.block_size * 131072
+    assert shared.shared_bytes % block_bytes == 0 and shared.shared_bytes > 0
+    assert shared.bytes_loaded > shared.shared_bytes
+    # one replica with a shared tier as large as everything: the shared tier holds only
+    # what its own host tier evicted, so it never serves a block the host tier holds
+    alone = simulate(chat, 1, "round_robin", 30, device_blocks=20, shared_blocks=100_000)
+    single = simulate(chat, 1, "round_robin", 30, device_blocks=20)
+    assert alone.host_hit_ratio == pytest.approx(single.host_hit_ratio, abs=0.05)
+    assert alone.hit_ratio >= single.hit_ratio
+
+
+def test_shared_tier_replica_promotes_into_its_host_tier_and_writes_through():
+    shared = CPUOffloadingManager(100)
+    a, b = Replica(0, 10, "lru", False, shared), Replica(0, 10, "lru", False, shared)
+    keys = [bytes([i]) * 36 for i in range(4)]
+    assert a.serve(keys) == (0, 0, 0, 4, 0)  # computed, stored to a's host and the shared tier
+    assert all(shared.lookup(k).name == "HIT" for k in keys)
+    assert b.serve(keys) == (0, 0, 4, 4, 0)  # b finds all four below and promotes them
+    assert b.serve(keys) == (0, 4, 0, 0, 0)  # now its own host tier has them

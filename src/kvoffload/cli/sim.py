@@ -18,7 +18,10 @@ least_load, kv_aware by the index's tier-weighted scores under a load-balance gu
 ``--load-window`` requests. The table gives hit ratios per tier, load imbalance
 (max/mean) and prefill time saved per (policy, capacity, routing); the plot draws hit
 ratio and imbalance against the capacity per replica. Belady and the disk tier are left
-out there; ``--policies`` defaults to lru and ``--capacities`` to 1%,5%."""
+out there; ``--policies`` defaults to lru and ``--capacities`` to 1%,5%.
+``--shared-capacity`` adds one shared tier (a Redis server, say) under every replica's
+host tier, sized for the whole fleet, read at ``--remote-bandwidth``: what sharing
+buys a fleet that routes without affinity shows as its ``shared`` column."""
 
 from __future__ import annotations
 
@@ -77,6 +80,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--disk-bandwidth",
         default="5GB",
         help="disk-to-host read bytes per second, e.g. '5GB' (default 5GB; with --disk-capacities)",
+    )
+    p.add_argument(
+        "--shared-capacity",
+        default=None,
+        help="with --replicas: a shared tier (e.g. one Redis server) under every replica's host tier, "
+        "sized for the whole fleet in the forms of --capacities (default: none)",
+    )
+    p.add_argument(
+        "--remote-bandwidth",
+        default="3GB",
+        help="shared-tier-to-host bytes per second, e.g. '3GB' (default 3GB; with --shared-capacity)",
     )
     p.add_argument(
         "--disk-policy",
@@ -243,6 +257,7 @@ def _run_fleet(args, trace, cost, policies, capacities, fleet: dict, title: str,
             seed=args.seed,
             weights=fleet["weights"],
             progress=progress,
+            shared_capacity=args.shared_capacity,
         )
     print(format_fleet_table(rows))
     print(
@@ -250,6 +265,11 @@ def _run_fleet(args, trace, cost, policies, capacities, fleet: dict, title: str,
         f"load = prefill tokens computed over the last {fleet['load_window']} requests; "
         f"kv_aware guard at max/mean load > {fleet['balance_threshold']:g}"
     )
+    if args.shared_capacity is not None:
+        print(
+            f"a shared tier of {args.shared_capacity} ({rows[0].shared_blocks:,} blocks) under every "
+            f"host tier, read at {cost.remote_bandwidth_bytes_per_s / 1e9:,.1f} GB/s"
+        )
     print(f"{link}{cost.kv_bytes_per_token:,} KV bytes/token; stores overlap compute and are not charged")
     write_csv(rows, args.csv)
     write_fleet_plot(rows, args.png, title=f"{title} per replica, {args.replicas} replicas")
@@ -301,6 +321,7 @@ def _validate(args: argparse.Namespace):
         float(_flag_bytes(args.bandwidth, "--bandwidth")),
         kv_bytes,
         float(_flag_bytes(args.disk_bandwidth, "--disk-bandwidth")),
+        float(_flag_bytes(args.remote_bandwidth, "--remote-bandwidth")),
     )
     in_fleet = args.replicas is not None
     if args.policies is None:
@@ -326,7 +347,11 @@ def _validate(args: argparse.Namespace):
         raise ValueError(f"--block-size must be positive, got {args.block_size}")
     trace = _load(args.source, args.block_size, args.seed)
     block_bytes = trace.block_size * cost.kv_bytes_per_token
-    for flag, specs in (("--capacities", capacities), ("--disk-capacities", disk_capacities)):
+    shared = [args.shared_capacity] if args.shared_capacity is not None else []
+    if shared and not in_fleet:
+        raise ValueError(f"--shared-capacity {args.shared_capacity!r} needs --replicas")
+    for flag, specs in (("--capacities", capacities), ("--disk-capacities", disk_capacities),
+                        ("--shared-capacity", shared)):  # fmt: skip
         for spec in specs:  # fail on a bad capacity before any replay
             try:
                 parse_capacity(spec, trace.unique_blocks(), block_bytes)

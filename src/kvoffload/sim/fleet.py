@@ -14,10 +14,17 @@ Per request, in trace order:
 3. the tier events of ``r`` go to the router, and the tokens ``r`` computed (prompt tokens
    minus those in the ``d + h`` blocks) join the load window.
 
+With a shared tier (``shared_blocks``: one LRU store all replicas share, as a Redis
+server would be), the run of ``s`` blocks after the host hits that the shared tier holds
+is promoted into the host tier and loaded too (cached like host hits, but fetched over
+the network first); every block a replica computes is written through to it. The router
+does not see the shared tier: it is the same for every replica.
+
 With one replica every routing gives exactly the counts of ``device_prefixes`` followed
 by ``replay_tiered`` (the single-engine simulator). Costs are those of
 ``kvoffload.sim.planning.CostModel``: prefill time saved = cached tokens / prefill rate -
-host-tier bytes loaded / link bandwidth, summed over the fleet.
+host-tier bytes loaded / link bandwidth - shared-tier bytes / remote bandwidth, summed
+over the fleet.
 
 Load figures per row: ``imbalance_mean`` is the mean, over the requests, of the window's
 max/mean load seen at each arrival (1.0 is perfect balance, N is all on one replica);
@@ -54,17 +61,27 @@ def default_load_window(replicas: int) -> int:
 
 
 class Replica:
-    """One engine's device tier (LRU, ``device_blocks``; none if 0) and host tier."""
+    """One engine's device tier (LRU, ``device_blocks``; none if 0) and host tier, over an
+    optional ``shared`` tier common to the fleet."""
 
-    def __init__(self, device_blocks: int, host_blocks: int, policy: str, events: bool) -> None:
+    def __init__(
+        self,
+        device_blocks: int,
+        host_blocks: int,
+        policy: str,
+        events: bool,
+        shared: CPUOffloadingManager | None = None,
+    ) -> None:
         non_negative_int("device_blocks", device_blocks)
+        self.shared = shared
         self.device = None
         if device_blocks:
             self.device = CPUOffloadingManager(device_blocks, "lru", enable_events=events)
         self.host = CPUOffloadingManager(host_blocks, policy, enable_events=events)
 
-    def serve(self, keys: Sequence[OffloadKey]) -> tuple[int, int, int, int]:
-        """Serve one request; returns (device hits, host hits, stored, evicted) in blocks."""
+    def serve(self, keys: Sequence[OffloadKey]) -> tuple[int, int, int, int, int]:
+        """Serve one request; returns (device hits, host hits, shared hits, stored, evicted)
+        in blocks (stored and evicted: the host tier's)."""
         d = 0
         device = self.device
         if device is not None:
@@ -76,6 +93,10 @@ class Replica:
         host = self.host
         rest = keys[d:] if d else keys
         h = host.lookup_prefix(rest)
+        shared, s = self.shared, 0
+        if shared is not None and d + h < len(keys):
+            s = shared.lookup_prefix(rest[h:])
+            shared.touch(rest[h : h + s])
         host.touch(keys)
         if h:
             prefix = rest[:h]
@@ -83,11 +104,16 @@ class Replica:
             host.complete_load(prefix)
         stored = evicted = 0
         if d + h < len(keys):
+            # the shared hits are promoted into the host tier, the computed rest stored
             out = host.prepare_store(rest[h:])
             if out is not None:
                 host.complete_store(out.keys_to_store)
                 stored, evicted = len(out.keys_to_store), len(out.evicted_keys)
-        return d, h, stored, evicted
+            if shared is not None and h + s < len(rest):
+                out = shared.prepare_store(rest[h + s :])
+                if out is not None:
+                    shared.complete_store(out.keys_to_store)
+        return d, h, s, stored, evicted
 
     def take_events(self):
         return (self.device.take_events() if self.device else []), self.host.take_events()
@@ -105,17 +131,21 @@ class FleetRow:
     requests: int
     device_hit_ratio: float
     host_hit_ratio: float
-    hit_ratio: float
+    hit_ratio: float  # device + host + shared
     device_tokens_saved: int
     host_tokens_saved: int
     prompt_tokens: int
-    bytes_loaded: int
+    bytes_loaded: int  # host tier -> device, shared hits included
     prefill_s_saved: float
     imbalance_mean: float
     work_imbalance: float
     guarded: int  # requests the load-balance guard routed
     index_mismatches: int
     replay_s: float
+    shared_blocks: int = 0
+    shared_hit_ratio: float = 0.0
+    shared_tokens_saved: int = 0
+    shared_bytes: int = 0  # fetched from the shared tier
 
     @property
     def requests_per_second(self) -> float:
@@ -137,10 +167,13 @@ def simulate(
     weights: TierWeights | None = None,
     capacity: str = "",
     key_lists: Sequence[Sequence[OffloadKey]] | None = None,
+    shared_blocks: int = 0,
 ) -> FleetRow:
-    """Replay ``trace`` over ``replicas`` replicas routed by ``routing`` (module doc)."""
+    """Replay ``trace`` over ``replicas`` replicas routed by ``routing`` (module doc);
+    ``shared_blocks`` > 0 adds a shared tier of that many blocks under every host tier."""
     positive_int("replicas", replicas)
     non_negative_int("host_blocks", host_blocks)
+    non_negative_int("shared_blocks", shared_blocks)
     (routing,) = validate_routings([routing])
     window = LoadWindow(replicas, default_load_window(replicas) if load_window is None else load_window)
     bs = trace.block_size
@@ -148,10 +181,12 @@ def simulate(
         routing, replicas, block_size=bs, seed=seed, balance_threshold=balance_threshold, weights=weights
     )
     events = router.wants_events
-    fleet = [Replica(device_blocks, host_blocks, policy, events) for _ in range(replicas)]
+    shared = CPUOffloadingManager(shared_blocks, "lru") if shared_blocks else None
+    fleet = [Replica(device_blocks, host_blocks, policy, events, shared) for _ in range(replicas)]
     if key_lists is None:
         key_lists = to_key_lists(trace.requests)
     n_keys = device_hits = host_hits = device_tokens = host_tokens = prompt_tokens = 0
+    shared_hits = shared_tokens = 0
     guarded = mismatches = 0
     imbalance_sum = 0.0
     computed = [0] * replicas
@@ -162,26 +197,30 @@ def simulate(
         r = router.choose(hashes, window)
         guarded += router.guarded
         replica = fleet[r]
-        d, h, _, _ = replica.serve(keys)
+        d, h, s, _, _ = replica.serve(keys)
         if events:
             router.observe(r, *replica.take_events())
             if router.predicted != (d, d + h):
                 mismatches += 1
         length = request.input_length
         dt = block_tokens(length, d, bs)
-        cached = block_tokens(length, d + h, bs)
+        ht = block_tokens(length, d + h, bs)
+        cached = block_tokens(length, d + h + s, bs)
         n_keys += len(keys)
         prompt_tokens += length
         device_hits += d
         host_hits += h
+        shared_hits += s
         device_tokens += dt
-        host_tokens += cached - dt
+        host_tokens += ht - dt
+        shared_tokens += cached - ht
         computed[r] += length - cached
         window.add(r, length - cached)
     seconds = time.perf_counter() - start
     n = len(key_lists)
     block_bytes = bs * cost.kv_bytes_per_token
-    loaded = host_hits * block_bytes
+    loaded = (host_hits + shared_hits) * block_bytes
+    fetched = shared_hits * block_bytes
     total_computed = sum(computed)
     return FleetRow(
         routing=routing,
@@ -192,18 +231,23 @@ def simulate(
         requests=n,
         device_hit_ratio=device_hits / n_keys if n_keys else 0.0,
         host_hit_ratio=host_hits / n_keys if n_keys else 0.0,
-        hit_ratio=(device_hits + host_hits) / n_keys if n_keys else 0.0,
+        hit_ratio=(device_hits + host_hits + shared_hits) / n_keys if n_keys else 0.0,
         device_tokens_saved=device_tokens,
         host_tokens_saved=host_tokens,
         prompt_tokens=prompt_tokens,
         bytes_loaded=loaded,
-        prefill_s_saved=(device_tokens + host_tokens) / cost.prefill_tokens_per_s
-        - loaded / cost.bandwidth_bytes_per_s,
+        prefill_s_saved=(device_tokens + host_tokens + shared_tokens) / cost.prefill_tokens_per_s
+        - loaded / cost.bandwidth_bytes_per_s
+        - fetched / cost.remote_bandwidth_bytes_per_s,
         imbalance_mean=imbalance_sum / n if n else 1.0,
         work_imbalance=max(computed) * replicas / total_computed if total_computed else 1.0,
         guarded=guarded,
         index_mismatches=mismatches,
         replay_s=seconds,
+        shared_blocks=shared_blocks,
+        shared_hit_ratio=shared_hits / n_keys if n_keys else 0.0,
+        shared_tokens_saved=shared_tokens,
+        shared_bytes=fetched,
     )
 
 
@@ -221,10 +265,12 @@ def plan_fleet(
     seed: int = 0,
     weights: TierWeights | None = None,
     progress: Callable[[str], None] | None = None,
+    shared_capacity: str | None = None,
 ) -> list[FleetRow]:
     """``simulate`` for every (policy, per-replica host capacity, routing); rows in that
     order. Capacities read as ``kvoffload.sim.planning.parse_capacity`` does, per replica
-    (``5%``: each replica holds 5% of the trace's unique blocks)."""
+    (``5%``: each replica holds 5% of the trace's unique blocks); ``shared_capacity`` (read
+    the same way, for the whole fleet) adds a shared tier."""
     positive_int("replicas", replicas)
     routings = validate_routings(routings)
     policies = validate_policies(policies)
@@ -233,6 +279,7 @@ def plan_fleet(
     unique = trace.unique_blocks()
     block_bytes = trace.block_size * cost.kv_bytes_per_token
     sizes = [(spec, parse_capacity(spec, unique, block_bytes)) for spec in capacities]
+    shared_blocks = parse_capacity(shared_capacity, unique, block_bytes) if shared_capacity else 0
     key_lists = to_key_lists(trace.requests)
     rows = []
     for policy in policies:
@@ -255,6 +302,7 @@ def plan_fleet(
                         weights=weights,
                         capacity=spec,
                         key_lists=key_lists,
+                        shared_blocks=shared_blocks,
                     )
                 )
     return rows
@@ -262,18 +310,22 @@ def plan_fleet(
 
 def format_fleet_table(rows: Sequence[FleetRow]) -> str:
     """A fixed-width table: hit ratio per tier, load imbalance and savings per row."""
+    with_shared = any(r.shared_blocks for r in rows)
+    shared_header = f"{'shared':>8}" if with_shared else ""
     header = (
-        f"{'routing':<12}{'policy':<9}{'capacity':>9}{'device':>8}{'host':>7}{'total':>7}"
+        f"{'routing':<12}{'policy':<9}{'capacity':>9}{'device':>8}{'host':>7}{shared_header}{'total':>7}"
         f"{'imbalance':>11}{'work max/mean':>15}{'guarded':>9}{'tokens saved':>15}"
         f"{'prefill s saved':>17}{'req/s':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         guarded = f"{r.guarded / r.requests:.1%}" if r.routing == "kv_aware" and r.requests else "-"
+        saved = r.device_tokens_saved + r.host_tokens_saved + r.shared_tokens_saved
         lines.append(
             f"{r.routing:<12}{r.policy:<9}{r.capacity:>9}{r.device_hit_ratio:>8.3f}{r.host_hit_ratio:>7.3f}"
-            f"{r.hit_ratio:>7.3f}{r.imbalance_mean:>11.2f}{r.work_imbalance:>15.2f}{guarded:>9}"
-            f"{r.device_tokens_saved + r.host_tokens_saved:>15,}{r.prefill_s_saved:>17,.1f}"
+            + (f"{r.shared_hit_ratio:>8.3f}" if with_shared else "")
+            + f"{r.hit_ratio:>7.3f}{r.imbalance_mean:>11.2f}{r.work_imbalance:>15.2f}{guarded:>9}"
+            f"{saved:>15,}{r.prefill_s_saved:>17,.1f}"
             f"{r.requests_per_second:>8,.0f}"
         )
     return "\n".join(lines)

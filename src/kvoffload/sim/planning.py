@@ -50,13 +50,14 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*$")
 
 @dataclass(frozen=True)
 class CostModel:
-    """Prefill speed, host-to-device bandwidth, KV size of the model being served and the
-    disk-to-host read bandwidth of a disk tier (used only when one is modelled)."""
+    """Prefill speed, host-to-device bandwidth, KV size of the model being served, and the
+    read bandwidths of a disk tier and of a shared remote tier (used only when modelled)."""
 
     prefill_tokens_per_s: float = 8000.0
     bandwidth_bytes_per_s: float = 25e9
     kv_bytes_per_token: int = 131072  # Llama-3-8B in bf16: 2 (K,V) x 32 layers x 8 heads x 128 x 2 B
     disk_bandwidth_bytes_per_s: float = 5e9
+    remote_bandwidth_bytes_per_s: float = 3e9  # a shared tier over the network (~25 Gbit/s)
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,6 +65,7 @@ class CostModel:
             "bandwidth_bytes_per_s",
             "kv_bytes_per_token",
             "disk_bandwidth_bytes_per_s",
+            "remote_bandwidth_bytes_per_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
