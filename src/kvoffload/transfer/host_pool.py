@@ -18,9 +18,9 @@ crosses the bus in one copy; with F > 1 the two views above cannot both exist ov
 interleaved region, so it is refused.
 
 Pinning. One region of exactly the pool's size, mapped anonymously (page-aligned, pages
-faulted in on first touch) and then registered with ``cudaHostRegister`` in chunks on
-several threads (registering faults every page in and locks it, which is what takes
-time). Chunks start and end on page boundaries: the driver pins whole pages, so two
+zero-filled on first touch), then, chunk by chunk on several threads, faulted in
+(``MADV_POPULATE_WRITE``; the page zeroing is what takes time) and registered with
+``cudaHostRegister``. Chunks start and end on page boundaries: the driver pins whole pages, so two
 chunks sharing a page would overlap and the second registration would fail. Copy
 planners keep each copy inside one chunk (``register_bounds``): a copy spanning two
 registrations is not one pinned range to the driver. Why not ``pin_memory=True``:
@@ -50,6 +50,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from kvoffload.transfer.layout import KVLayout
@@ -131,7 +132,12 @@ class HostBlockPool:
         self.block_bytes = sum(pages) * f
         self.nbytes = self.block_bytes * num_host_blocks
         start = time.perf_counter()
-        self.region = _allocate(self.nbytes)
+        self._mapping = _map(self.nbytes)
+        self.region = (
+            torch.frombuffer(self._mapping, dtype=torch.uint8)
+            if self._mapping is not None
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self._offsets: list[int] = []
         self._strides: list[int] = []
         views = []
@@ -176,6 +182,7 @@ class HostBlockPool:
 
         def pin(bound: tuple[int, int]) -> bool:
             try:
+                _prefault(self._mapping, *bound)
                 return bool(register(base + bound[0], bound[1]))
             except Exception as exc:  # noqa: BLE001 - pinning is an optimisation: fall back
                 logger.warning("kvoffload: pinning %d bytes raised %s", bound[1], exc)
@@ -217,12 +224,24 @@ class HostBlockPool:
         )
 
 
-def _allocate(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of page-aligned host memory, lazily faulted in (an anonymous mapping, so
-    every chunk can be registered on its own pages)."""
+def _map(nbytes: int) -> mmap.mmap | None:
+    """``nbytes`` of private, page-aligned, lazily zero-filled host memory (``None`` for 0):
+    every registration chunk starts on a page of its own."""
     if not nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        return None
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+    return mmap.mmap(-1, nbytes, flags=flags)
+
+
+def _prefault(mapping: mmap.mmap | None, offset: int, nbytes: int) -> None:
+    """Fault ``[offset, offset + nbytes)`` in on this thread, so that page zeroing runs in
+    parallel even where the driver registers one range at a time."""
+    if mapping is None:
+        return
+    try:
+        mapping.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), offset, nbytes)
+    except (OSError, ValueError):  # kernels before 5.14: touch one byte per page
+        np.frombuffer(mapping, np.uint8, nbytes, offset)[:: mmap.PAGESIZE] = 0  # fresh pages are 0
 
 
 def _unregister_all(unregister: Callable[[int], None], ptrs: list[int]) -> None:
