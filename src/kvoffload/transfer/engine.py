@@ -105,14 +105,15 @@ class TransferEngine(OffloadingWorker):
         *,
         chunk_bytes: int = 1 << 20,
         copy_threads: int | None = None,
+        staging_bytes: int = 64 << 20,
         executor: Executor | None = None,
         close_timeout: float | None = 60.0,
     ) -> None:
         """``chunk_bytes`` (the work one copy thread takes at a time, at least one row)
         and ``copy_threads`` (threads copying one job, default: CPU count, at most 8)
-        tune the CPU executor; CUDA ignores them. ``executor`` replaces the one chosen by
-        device (tests). ``close_timeout``: seconds ``close`` waits for the workers
-        (``None``: for ever)."""
+        tune the CPU executor; ``staging_bytes`` caps the CUDA executor's device staging
+        per direction. ``executor`` replaces the one chosen by device (tests).
+        ``close_timeout``: seconds ``close`` waits for the workers (``None``: for ever)."""
         if host_pool.layout is not layout:
             raise ValueError("host_pool was built for a different layout")
         self.layout = layout
@@ -121,7 +122,7 @@ class TransferEngine(OffloadingWorker):
         if executor is not None:
             self._executor: Executor = executor
         elif layout.device.type == "cuda":
-            self._executor = CUDAExecutor(layout, host_pool)
+            self._executor = CUDAExecutor(layout, host_pool, staging_bytes=staging_bytes)
         elif layout.device.type == "cpu":
             self._executor = CPUExecutor(layout, host_pool, chunk_bytes, copy_threads)
         else:
