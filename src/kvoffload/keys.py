@@ -11,13 +11,21 @@ Contract:
   canonical CBOR, and ``NONE_HASH = sha256(cbor(seed))``: vLLM's ``sha256_cbor``
   construction, so equal tokens give equal hashes in every process and machine, and in a
   vLLM engine using that algorithm with the same seed.
+* Extra keys keep tenants apart. vLLM 0.32 mixes into a block's hash, in this order, a
+  LoRA adapter (``("lora", name, path)``, every block), the multimodal items the block
+  overlaps (``("mm", identifier, item_offset - block_start)``) and the request's cache
+  salt (``("cache_salt", salt)``, first block only); a block with none hashes ``None``.
+  ``block_extra_keys`` builds that tuple and ``hash_request(..., cache_salt=, lora_name=,
+  lora_path=, mm_features=)`` uses it per block, so two requests with the same tokens and
+  another salt or adapter never share a hash. ``event_extra_keys`` gives the untagged form
+  KV events carry (salt and LoRA name bare, ``(identifier, offset)`` for an item).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any, NewType
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, NewType
 
 import cbor2
 
@@ -64,6 +72,59 @@ def sha256_cbor(value: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 
 
+class MMPlaceholder(NamedTuple):
+    """A multimodal item in a prompt: its hash ``identifier`` (vLLM's ``mm_hash``) and the
+    token positions ``[offset, offset + length)`` its placeholder occupies."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+ExtraKeysOf = Callable[[int, int], "tuple[Any, ...] | None"]
+
+
+def block_extra_keys(
+    start: int,
+    end: int,
+    *,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    mm_features: Sequence[MMPlaceholder | tuple[str, int, int]] = (),
+) -> tuple[Any, ...] | None:
+    """The extra keys vLLM 0.32 hashes with the block of tokens ``[start, end)``.
+
+    ``mm_features`` are sorted by offset. vLLM hashes an adapter's path with its name (a
+    name pointed at other weights must not reuse KV), so ``lora_name`` needs ``lora_path``.
+    """
+    if (lora_name is None) != (lora_path is None):
+        raise ValueError(
+            f"lora_name and lora_path go together (vLLM hashes both), got {lora_name!r}, {lora_path!r}"
+        )
+    keys: list[tuple[Any, ...]] = []
+    if lora_name is not None:
+        keys.append(("lora", lora_name, lora_path))
+    for identifier, offset, length in mm_features:
+        if offset >= end:
+            break
+        if start >= offset + length:
+            continue  # the item ended before this block
+        keys.append(("mm", identifier, offset - start))
+        if offset + length > end:
+            break  # the item runs on into the next block
+    if cache_salt and start == 0:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def event_extra_keys(keys: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """One block's extra keys in the untagged form ``BlockStored.extra_keys`` carries."""
+    if keys is None:
+        return None
+    return tuple(key[1:] if key[0] == "mm" else key[1] for key in keys)
+
+
 class BlockHasher:
     """Hashes full token blocks into a prefix chain.
 
@@ -93,17 +154,54 @@ class BlockHasher:
         block_size: int,
         extra_keys: tuple[Any, ...] | None = None,
         parent_hash: bytes | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_features: Sequence[MMPlaceholder | tuple[str, int, int]] = (),
+        start_token: int = 0,
     ) -> list[bytes]:
         """Hashes of the full blocks of ``token_ids``; a trailing partial block is left out.
 
-        ``extra_keys`` (e.g. a LoRA name or multimodal hashes) is mixed into every block.
-        ``parent_hash`` continues an existing chain.
+        ``cache_salt``, ``lora_name``/``lora_path`` and ``mm_features`` give each block the
+        extra keys vLLM 0.32 gives it (``block_extra_keys``); ``extra_keys`` instead mixes
+        one fixed tuple into every block (not both). ``parent_hash`` continues an existing
+        chain whose next block starts at token ``start_token`` of the request.
         """
+        if extra_keys is not None and (cache_salt or lora_name is not None or mm_features):
+            raise ValueError("give either extra_keys or cache_salt/lora_name/mm_features, not both")
+        features = [MMPlaceholder(*f) for f in mm_features]
+
+        def keys_of(start: int, end: int) -> tuple[Any, ...] | None:
+            return block_extra_keys(
+                start, end, cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path,
+                mm_features=features,
+            )  # fmt: skip
+
+        fixed = extra_keys is not None or not (cache_salt or lora_name is not None or features)
+        return self.hash_chain(
+            token_ids, block_size, (lambda s, e: extra_keys) if fixed else keys_of, parent_hash, start_token
+        )
+
+    def hash_chain(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        extra_keys_of: ExtraKeysOf | None = None,
+        parent_hash: bytes | None = None,
+        start_token: int = 0,
+    ) -> list[bytes]:
+        """``hash_request`` with each block's extra keys from ``extra_keys_of(start, end)``
+        (token positions in the request: ``token_ids[0]`` is token ``start_token``)."""
         positive_int("block_size", block_size)
+        if not isinstance(start_token, int) or start_token < 0:
+            raise ValueError(f"start_token must be an int >= 0, got {start_token!r}")
         hashes: list[bytes] = []
         parent = parent_hash
         for start in range(0, len(token_ids) - block_size + 1, block_size):
-            parent = self.hash_block(parent, token_ids[start : start + block_size], extra_keys)
+            first = start_token + start
+            extra = None if extra_keys_of is None else extra_keys_of(first, first + block_size)
+            parent = self.hash_block(parent, token_ids[start : start + block_size], extra)
             hashes.append(parent)
         return hashes
 
@@ -113,6 +211,8 @@ def hash_request(
     block_size: int,
     extra_keys: tuple[Any, ...] | None = None,
     seed: str = DEFAULT_HASH_SEED,
+    **per_block: Any,
 ) -> list[bytes]:
-    """Hashes of the full blocks of ``token_ids`` with a ``BlockHasher(seed)``."""
-    return BlockHasher(seed).hash_request(token_ids, block_size, extra_keys)
+    """Hashes of the full blocks of ``token_ids`` with a ``BlockHasher(seed)``;
+    ``per_block``: ``cache_salt``, ``lora_name``, ``lora_path``, ``mm_features``."""
+    return BlockHasher(seed).hash_request(token_ids, block_size, extra_keys, **per_block)

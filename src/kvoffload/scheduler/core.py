@@ -37,6 +37,11 @@ Request lifecycle:
 Reuse filter: with ``store_threshold=n > 1`` a block is offered for storing only once
 ``n`` requests asked for it (``kvoffload.scheduler.reuse``); the blocks held back are
 counted in ``stats.skipped_stores``.
+
+Tenants: the engine's block hashes already hold what keeps tenants apart (cache salt,
+LoRA adapter, multimodal items), so keys taken from them never mix two tenants' blocks.
+For an engine that does not hash, the scheduler hashes the tokens with the request's
+extra keys (``block_extra_keys``); those also fill ``BlockStored.extra_keys``.
 """
 
 from __future__ import annotations
@@ -51,7 +56,15 @@ from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
 from kvoffload.manager import LookupResult, OffloadingManager, RequestContext
 from kvoffload.scheduler.events import EventConverter
 from kvoffload.scheduler.reuse import DEFAULT_MEMORY, ReuseFilter
-from kvoffload.scheduler.types import KVGroup, RequestView, StepPlan, StepRequest, TransferJob
+from kvoffload.scheduler.types import (
+    BlockExtraKeys,
+    KVGroup,
+    RequestView,
+    StepPlan,
+    StepRequest,
+    TransferJob,
+    view_extra_keys,
+)
 from kvoffload.specs import DeviceLoadStoreSpec
 from kvoffload.validation import positive_int
 
@@ -114,9 +127,13 @@ class OffloadingScheduler:
         null_block_id: int | None = None,
         store_threshold: int = 1,
         store_threshold_memory: int = DEFAULT_MEMORY,
+        block_extra_keys: BlockExtraKeys | None = None,
     ) -> None:
         """``store_threshold``: requests that must ask for a block before it is stored
-        (1 = store every block); ``store_threshold_memory``: keys whose count is kept."""
+        (1 = store every block); ``store_threshold_memory``: keys whose count is kept;
+        ``block_extra_keys(request, start, end)``: what besides tokens the engine hashes
+        into the block ``[start, end)`` (salt, adapter, multimodal items, in
+        ``kvoffload.keys`` tagged form); default ``view_extra_keys``."""
         if not groups:
             raise ValueError("at least one KV-cache group is needed")
         positive_int("blocks_per_offload_block", blocks_per_offload_block)
@@ -134,6 +151,7 @@ class OffloadingScheduler:
         self.hash_block_size = hash_block_size
         self._tokens = [group.block_size * blocks_per_offload_block for group in groups]
         self._hasher = hasher or BlockHasher()
+        self._extra_keys = block_extra_keys or view_extra_keys
         self._events = EventConverter(groups, blocks_per_offload_block, kv_events)
         self._wire_events: list[KVEvent] = []
         self._requests: dict[str, _RequestState] = {}
@@ -305,7 +323,8 @@ class OffloadingScheduler:
             sizes[g] += f
             tokens = self._tokens[g]
             parent = self._hash_at(hashes, g, j - 1) if j > 0 else None
-            self._events.remember(key, parent, tokens_ids, j * tokens, (j + 1) * tokens)
+            extra = self._extra_keys(state.request, j * tokens, (j + 1) * tokens)
+            self._events.remember(key, parent, tokens_ids, j * tokens, (j + 1) * tokens, extra)
         job = self._new_job(req_id, True, list(out.keys_to_store))
         return TransferJob(job, req_id, True, DeviceLoadStoreSpec(device_ids, sizes, indices), out.store_spec)
 
@@ -451,7 +470,9 @@ class OffloadingScheduler:
     def _hashes(self, request: RequestView) -> Sequence[bytes]:
         hashes = request.block_hashes
         if hashes is None:  # an engine that does not hash: hash the tokens ourselves
-            hashes = self._hasher.hash_request(request.all_token_ids, self.hash_block_size)
+            hashes = self._hasher.hash_chain(
+                request.all_token_ids, self.hash_block_size, lambda s, e: self._extra_keys(request, s, e)
+            )
         return hashes
 
     def _first_present(self, device_ids: Sequence[int], start: int, end: int) -> int:

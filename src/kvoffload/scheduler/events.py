@@ -10,6 +10,11 @@ records that (``remember``) when it reserves the store, and this converter fills
   ``token_ids`` and ``parent_block_hash`` so routers that re-hash tokens can index it;
   consecutive keys of one chain are announced in one event. ``placeholder`` mode emits
   vLLM's own offloading form: ``block_size=0``, no tokens, no parent.
+  Self-described events also carry what besides tokens went into the hashes, as vLLM
+  0.32's engine publishes it for its own blocks: ``extra_keys``, one untagged entry per
+  block (``kvoffload.keys.event_extra_keys``: LoRA name, ``(mm identifier, offset)``
+  pairs, the cache salt on the first block; ``None`` for a block without any), left out
+  when no block of the event has any; and ``lora_name`` for an adapter's blocks.
 * ``BlockRemoved`` for every eviction, one event per group.
 * ``AllBlocksCleared`` when the scheduler resets the tier.
 
@@ -25,9 +30,10 @@ tier is ``medium="STORAGE"``, ``locality="LOCAL"``, ``ownership="fs"``; the shar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvoffload.keys import GROUP_BYTES, OffloadKey, external_hash
+from kvoffload.keys import GROUP_BYTES, OffloadKey, event_extra_keys, external_hash
 from kvoffload.manager import OffloadingEvent
 from kvoffload.scheduler.types import KVGroup
 
@@ -41,9 +47,11 @@ WIRE_TIERS: dict[str, tuple[str, str | None, str | None]] = {
 
 
 # What a stored key's BlockStored says is kept as a plain tuple (parent block hash or
-# None, the request's token sequence, start, end): one is recorded per stored block on the
-# scheduler's thread, so it allocates nothing more; tokens are sliced when announced.
-_UNKNOWN: tuple[bytes | None, Sequence[int], int, int] = (None, (), 0, 0)
+# None, the request's token sequence, start, end, extra keys in tagged form or None): one
+# is recorded per stored block on the scheduler's thread, so it allocates nothing more;
+# tokens are sliced when announced.
+_Record = tuple[bytes | None, Sequence[int], int, int, "tuple[Any, ...] | None"]
+_UNKNOWN: _Record = (None, (), 0, 0, None)
 
 
 class EventConverter:
@@ -62,14 +70,21 @@ class EventConverter:
         self.primary_medium = primary_medium
         self._groups = list(groups)
         self._factor = blocks_per_offload_block
-        self._pending: dict[OffloadKey, tuple[bytes | None, Sequence[int], int, int]] = {}
+        self._pending: dict[OffloadKey, _Record] = {}
 
     def remember(
-        self, key: OffloadKey, parent_hash: bytes | None, tokens: Sequence[int], start: int, end: int
+        self,
+        key: OffloadKey,
+        parent_hash: bytes | None,
+        tokens: Sequence[int],
+        start: int,
+        end: int,
+        extra_keys: tuple[Any, ...] | None = None,
     ) -> None:
         """Record what a key's ``BlockStored`` must say, before its store completes: its
-        tokens are ``tokens[start:end]``, a range the engine never rewrites."""
-        self._pending[key] = (parent_hash, tokens, start, end)
+        tokens are ``tokens[start:end]``, a range the engine never rewrites, and
+        ``extra_keys`` (tagged, as hashed) the rest of what its hash covers."""
+        self._pending[key] = (parent_hash, tokens, start, end, extra_keys)
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """Drop records of keys whose store failed (they are never announced)."""
@@ -151,6 +166,7 @@ class EventConverter:
             )
         first_parent = run[0][1][0]
         tokens = [t for _, info in run for t in info[1][info[2] : info[3]]]
+        extra = [event_extra_keys(info[4]) for _, info in run]
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if first_parent is None else external_hash(first_parent),
@@ -158,13 +174,22 @@ class EventConverter:
             block_size=spec.block_size * self._factor,
             lora_id=None,
             medium=medium,
-            lora_name=None,
+            lora_name=_lora_name(run[0][1][4]),
+            extra_keys=extra if any(e is not None for e in extra) else None,
             group_idx=group,
             kv_cache_spec_kind=spec.kind,
             kv_cache_spec_sliding_window=spec.sliding_window,
             locality=locality,
             ownership=ownership,
         )
+
+
+def _lora_name(extra_keys: tuple[Any, ...] | None) -> str | None:
+    # a chain's blocks share the adapter (it is in every block's hash), so the first tells
+    for key in extra_keys or ():
+        if key[0] == "lora":
+            return key[1]
+    return None
 
 
 def _split(key: OffloadKey) -> tuple[int, bytes]:

@@ -7,10 +7,11 @@ with ``TransferJob``s gathered in a ``StepPlan``. Nothing here depends on an eng
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from kvoffload.keys import block_extra_keys
 from kvoffload.specs import LoadStoreSpec
 from kvoffload.validation import positive_int
 
@@ -45,6 +46,25 @@ class RequestView(Protocol):
 
     @property
     def num_prompt_tokens(self) -> int: ...
+
+
+# (request, start, end) -> the extra keys the engine hashes into tokens [start, end)
+BlockExtraKeys = Callable[[Any, int, int], "tuple[Any, ...] | None"]
+
+
+def view_extra_keys(request: Any, start: int, end: int) -> tuple[Any, ...] | None:
+    """The extra keys of a block of ``request`` from the optional attributes an engine's
+    request view may have: ``cache_salt``, ``lora_name`` with ``lora_path``, and
+    ``mm_features`` (``kvoffload.keys.MMPlaceholder``s); ``None`` without any."""
+    lora_name = getattr(request, "lora_name", None)
+    return block_extra_keys(
+        start,
+        end,
+        cache_salt=getattr(request, "cache_salt", None),
+        lora_name=lora_name,
+        lora_path=getattr(request, "lora_path", None) if lora_name is not None else None,
+        mm_features=getattr(request, "mm_features", None) or (),
+    )
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,10 @@
 """The scheduler half of ``KVOffloadConnector``: vLLM's requests and steps, translated for
 the engine-agnostic ``OffloadingScheduler``, and its wire events converted to vLLM's own
 event classes (so they reach vLLM's KV-event publisher next to the engine's ``GPU`` events).
+
+Tenant isolation comes from vLLM: offload keys are its request block hashes, which mix in
+the cache salt, the LoRA adapter and multimodal items, so two tenants' prompts never share
+an offloaded block; ``BlockStored`` carries those as ``extra_keys`` and ``lora_name``.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from typing import Any
 
 import msgspec
 from vllm.distributed import kv_events as vllm_events
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput
@@ -43,6 +48,12 @@ def _kv_groups(kv_cache_config: KVCacheConfig) -> list[KVGroup]:
     return groups
 
 
+def _extra_keys(request: Request, start: int, end: int) -> Any:
+    # vLLM's own per-block extra keys (salt, LoRA, multimodal, prompt embeds): the keys
+    # come from its block hashes, which hold them; the events say them as its engine does
+    return generate_block_hash_extra_keys(request, start, end, 0)[0]
+
+
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
         tiers = config.tiers
@@ -63,6 +74,7 @@ class SchedulerSide:
             kv_events=config.kv_events,
             null_block_id=NULL_BLOCK_ID,
             store_threshold=config.store_threshold,
+            block_extra_keys=_extra_keys,
         )
         self._num_workers = vllm_config.parallel_config.world_size
         self._reports: dict[int, tuple[int, bool]] = {}
