@@ -237,6 +237,12 @@ class OffloadingManager(ABC):
         """The outcome of a ``TierTransfer``; unknown tokens raise ``KeyError``."""
         raise KeyError(f"unknown tier transfer {token}")
 
+    def load_source(self, key: OffloadKey) -> str:
+        """The medium whose copy of ``key`` (a ``HIT`` about to be loaded) was found for
+        this load: a block promoted from a lower tier for it names that tier's medium.
+        For metrics only (vLLM's cached-tokens-by-source); the default is this tier's."""
+        return self.medium
+
     def on_new_request(self, request: RequestContext) -> None:
         """A request starts (see the module docstring for when); the default does nothing."""
 

@@ -63,6 +63,8 @@ _RETRY = LookupResult.RETRY
 # enough for the request that asked to load what was promoted, short enough that the key
 # is tried again once the primary has room.
 DECLINE_STEPS = 16
+# Promoted keys remembered for ``load_source`` until loaded.
+_PROMOTED_MEMORY = 65536
 
 Admit = Callable[[OffloadKey], bool]
 
@@ -103,6 +105,9 @@ class TieredOffloadingManager(OffloadingManager):
         self._writes: list[tuple[int, PrepareStoreOutput, LoadStoreSpec]] = []
         self._transfers: dict[int, _Transfer] = {}
         self._next_token = 0
+        # key -> secondary it was promoted from, until its first load (or a bound): a load
+        # that found it there reports that tier as its source (metrics only)
+        self._promoted_from: dict[OffloadKey, int] = {}
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -130,6 +135,10 @@ class TieredOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
         return self.primary.prepare_load(keys)
+
+    def load_source(self, key: OffloadKey) -> str:
+        tier = self._promoted_from.pop(key, None)
+        return self.primary.medium if tier is None else self.secondaries[tier].medium
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.primary.touch(keys)
@@ -219,6 +228,11 @@ class TieredOffloadingManager(OffloadingManager):
             self._promoting.difference_update(transfer.keys)
             if not success:
                 tier.discard(transfer.keys)
+            else:
+                promoted = self._promoted_from
+                promoted.update(dict.fromkeys(transfer.keys, transfer.tier))
+                while len(promoted) > _PROMOTED_MEMORY:  # promoted, never loaded: forget the oldest
+                    del promoted[next(iter(promoted))]
         else:
             self.primary.complete_load(transfer.keys)
             tier.complete_store(transfer.keys, success)
@@ -262,6 +276,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._declined.clear()
         self._writes.clear()
         self._transfers.clear()
+        self._promoted_from.clear()
 
     def stats(self) -> TierStats:
         return self.primary.stats()

@@ -31,6 +31,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvoffload.integrations.vllm.config import parse_extra_config
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+from kvoffload.integrations.vllm.stats import (
+    KVOffloadConnectorStats,
+    KVOffloadPromMetrics,
+    SchedulerMetrics,
+    cache_hit_sources,
+)
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 
 
@@ -43,8 +49,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         config = parse_extra_config(extra, vllm_config.cache_config.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._scheduler_metrics: SchedulerMetrics | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, config)
+            names = [tier.type_name for tier in config.tiers.secondary_tiers]
+            self._scheduler_metrics = SchedulerMetrics(self._scheduler.scheduler, names)
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, config)
 
@@ -81,6 +90,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def shutdown(self) -> None:
+        if self._scheduler_metrics is not None:
+            self._scheduler_metrics.close()
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
@@ -120,6 +131,32 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         return self._scheduler_side().reset_cache()
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """Tokens of the request's load by where they were found: ``host``, ``disk`` (promoted
+        from the disk tier for it), ``external_unspecified`` (the shared tier)."""
+        if num_external_tokens == 0:
+            return {}
+        return cache_hit_sources(self._scheduler_side().scheduler.load_sources(request.request_id))
+
+    # -- metrics (both roles) ------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVOffloadConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.metrics.take_stats()
+        if self._scheduler_metrics is not None:
+            return self._scheduler_metrics.take_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVOffloadConnectorStats:
+        return KVOffloadConnectorStats(data=data) if data is not None else KVOffloadConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ) -> KVOffloadPromMetrics:
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def offload_stats(self):
         """The offloading scheduler's counters (``SchedulerStats``), scheduler role only."""

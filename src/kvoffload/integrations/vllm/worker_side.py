@@ -22,6 +22,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from kvoffload.integrations.vllm.config import OffloadConfig
 from kvoffload.integrations.vllm.layout import build_layout, host_block_bytes, kv_identity
 from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.stats import WorkerMetrics
 from kvoffload.scheduler import StepPlan, TransferJob
 from kvoffload.tiers.factory import build_worker
 from kvoffload.worker import OffloadingWorker
@@ -40,6 +41,7 @@ class WorkerSide:
         self._finished: dict[int, tuple[int, bool]] = {}
         self._load_errors: set[int] = set()
         self._rejected_loads: set[str] = set()  # requests whose load failed at submit
+        self.metrics = WorkerMetrics()  # every job's outcome, for kvoffload.metrics and vLLM's stats
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layout = build_layout(kv_caches, self._kv_cache_config)
@@ -52,6 +54,7 @@ class WorkerSide:
         logger.info(
             "kvoffload: %d host blocks (%.1f MiB) for %s", num_blocks, num_blocks * per_block / 2**20, layout
         )
+        self.metrics.attach(self.worker, [tier.type_name for tier in tiers.secondary_tiers])
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         jobs = [job for ids in plan.flush.values() for job in ids]
@@ -73,6 +76,7 @@ class WorkerSide:
             self._jobs[job.job_id] = job
             try:
                 self.worker.submit(job.job_id, job.src_spec, job.dst_spec)
+                self.metrics.started(job)
             except Exception as exc:  # noqa: BLE001 - a job that cannot start fails; vLLM must not see it
                 # A worker that raises has not taken the job: no result will come for it.
                 logger.error("kvoffload: job %d rejected: %s: %s", job.job_id, type(exc).__name__, exc)
@@ -81,10 +85,11 @@ class WorkerSide:
                     # vLLM holds the request until its load is reported, failed or not.
                     self._rejected_loads.add(finished[0])
 
-    def _finish(self, job_id: int, success: bool) -> tuple[str, bool] | None:
+    def _finish(self, job_id: int, success: bool, result: Any = None) -> tuple[str, bool] | None:
         job = self._jobs.pop(job_id, None)
         if job is None:
             return None
+        self.metrics.finished(job, success, result)
         self._finished[job_id] = (1, success)
         if not job.req_id:
             return None  # a transfer between tiers: no request waits on it
@@ -108,7 +113,7 @@ class WorkerSide:
                     logger.warning(
                         "kvoffload: %s job %d failed: %s", result.direction, result.job_id, result.error
                     )
-                finished = self._finish(result.job_id, result.success)
+                finished = self._finish(result.job_id, result.success, result)
                 if finished is not None and not finished[1]:
                     recving.add(finished[0])
         sending = {req for req, jobs in self._held.items() if not jobs & self._jobs.keys()}
@@ -132,5 +137,6 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
+        self.metrics.close()
         if self.worker is not None:
             self.worker.close()

@@ -1,0 +1,47 @@
+"""Where the tokens of one load came from: tokens per source medium.
+
+A load covers ``[start, end)`` tokens; each loaded key covers a token range of its own
+(per KV-cache group, so ranges of different groups overlap). A token covered by keys of
+several media counts for the medium farthest from the device (``MEDIA_ORDER``: host,
+then disk, then remote; an unknown medium after those); a token no key covers counts
+under ``""`` (unknown). The counts add up to ``end - start``. Engines report cached
+tokens by source with it (vLLM 0.32's ``prompt_tokens_cached_by_source``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE
+
+MEDIA_ORDER = (MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE)
+UNKNOWN = ""
+
+
+def _rank(medium: str) -> int:
+    return MEDIA_ORDER.index(medium) if medium in MEDIA_ORDER else len(MEDIA_ORDER)
+
+
+def tokens_by_source(ranges: Iterable[tuple[int, int, str]], start: int, end: int) -> dict[str, int]:
+    """``ranges``: ``(first token, end token, medium)`` of each loaded key. Only non-zero
+    counts are returned. A sweep over the range ends: O(n log n) in the keys."""
+    edges: list[tuple[int, int, int]] = []  # (token, +1/-1, rank)
+    for lo, hi, medium in ranges:
+        lo, hi = max(lo, start), min(hi, end)
+        if lo < hi:
+            rank = _rank(medium)
+            edges += ((lo, 1, rank), (hi, -1, rank))
+    edges.append((end, 0, 0))
+    edges.sort()
+    active = [0] * (len(MEDIA_ORDER) + 1)
+    names = [*MEDIA_ORDER, UNKNOWN]  # an unknown medium is reported as unknown
+    counts: dict[str, int] = {}
+    position = start
+    for token, delta, rank in edges:
+        if token > position:
+            top = max((r for r, n in enumerate(active) if n), default=None)
+            source = UNKNOWN if top is None else names[top]
+            counts[source] = counts.get(source, 0) + token - position
+            position = token
+        active[rank] += delta
+    return counts
