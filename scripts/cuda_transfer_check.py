@@ -30,7 +30,8 @@ waited out); sections still to run after ``BUDGET_S`` are skipped. Expect 2-4 mi
 6. ``matmul_slowdown``: a matmul loop alone and with stores and loads in flight.
 7. ``pinned_region``: allocation time and size of the pool's region (pinned in parallel
    chunks) against one ``cudaHostRegister`` call and ``torch.empty(pin_memory=True)``.
-8. ``staging``: the executors' staging cap and peak staging bytes.
+8. ``staging``: the executors' staging cap and peak staging bytes; ``bandwidth`` also
+   reports the device memory the transfers took beyond the KV cache, per page size.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
 from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
 from kvoffload.transfer.cuda_executor import CUDAExecutor
+from kvoffload.transfer.staging_plan import plan_batches
 
 BUDGET_S = 420.0  # stop starting sections after 7 minutes
 WAIT_S = 60.0  # any single wait longer than this is a hang
@@ -202,10 +204,10 @@ def reference(layout: KVLayout, f: int, dev: list, host: list, jobs: list[tuple]
             h_off += -(-(skip + n) // f) if n else 0
 
 
-def round_trips(device: str = "cuda", busy: bool = True) -> dict:
+def round_trips(device: str = "cuda", busy: bool = True, matmul: int = 4096) -> dict:
     gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
     compute = torch.cuda.Stream() if busy else None
-    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16) if busy else None
+    a = torch.randn(matmul, matmul, device=device, dtype=torch.bfloat16) if busy else None
     jobs_run = wrong = failed = 0
     configs = []
     for kind in ("per_layer", "cross_layer", "kv_split"):
@@ -299,8 +301,8 @@ def ordering_case(case: str, broken: bool, layout: KVLayout, pool: HostBlockPool
         return ok and landed
 
 
-def ordering() -> dict:
-    layout, pool = big_setup()
+def ordering(page: int = 64 << 10) -> dict:
+    layout, pool = big_setup(page=page)
     out = {}
     for case in ("store_after_write", "load_after_zeroing", "reported_after_copy"):
         correct = ordering_case(case, False, layout, pool)
@@ -310,8 +312,8 @@ def ordering() -> dict:
     return out
 
 
-def failure_fence() -> dict:
-    layout, pool = big_setup()
+def failure_fence(page: int = 64 << 10) -> dict:
+    layout, pool = big_setup(page=page)
     n = 256
     out = {}
     for name, cls in (("fenced", CUDAExecutor), ("broken_no_fence", NoFence)):
@@ -356,17 +358,19 @@ def flat_copy_seconds(nbytes: int) -> dict[str, float]:
     }
 
 
-def bandwidth() -> dict:
-    layers, blocks, job = 32, 1024, 128
+def bandwidth(layers: int = 32, blocks: int = 1024, job: int = 128, pages_kib=(4, 16, 64, 128)) -> dict:
     rng = np.random.default_rng(1)
-    rows = []
-    for page_kib in (4, 16, 64, 128):
+    rows, beyond_kv = [], {}
+    for page_kib in pages_kib:
         page = page_kib << 10
         nbytes = layers * job * page
         flat = flat_copy_seconds(nbytes)
         kv = {f"l{i}": torch.empty((blocks, page), dtype=torch.uint8, device="cuda") for i in range(layers)}
         layout = KVLayout.from_layer_tensors(kv)
         pool = HostBlockPool(layout, blocks // 2)
+        torch.cuda.synchronize()
+        kv_bytes = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         for path in ("batched", "per_row"):
             executor = CUDAExecutor(layout, pool, coalesce=path == "batched")
             with TransferEngine(layout, pool, executor=executor) as engine:
@@ -375,7 +379,7 @@ def bandwidth() -> dict:
                     for direction in ("store", "load"):
                         best, cpu = float("inf"), 0.0
                         reps = 6
-                        for _ in range(reps):
+                        for rep in range(reps):
                             ids = rng.choice(blocks, job, replace=False)
                             if pattern == "scattered":
                                 host = rng.choice(blocks // 2, job, replace=False)
@@ -388,8 +392,11 @@ def bandwidth() -> dict:
                             engine.submit(job_id, *((d, h) if direction == "store" else (h, d)))
                             wait(engine, [job_id])
                             best = min(best, time.perf_counter() - t0)
-                            cpu += time.process_time() - c0
+                            if rep:  # the first job also allocates staging and pins buffers
+                                cpu += time.process_time() - c0
                             assert all(r.success for r in engine.poll())
+                        pieces = [(t, ids, host) for t in range(layers)]
+                        plan = plan_batches(pieces, pool, executor.staging_cap, executor.coalesce)
                         rows.append(
                             {
                                 "page_kib": page_kib,
@@ -399,18 +406,21 @@ def bandwidth() -> dict:
                                 "gb_s": round(nbytes / best / 1e9, 2),
                                 "pinned_copy_gb_s": round(nbytes / flat[direction] / 1e9, 2),
                                 "ratio": round(flat[direction] / best, 3),
-                                "cpu_ms_per_job": round(cpu / reps * 1e3, 3),
+                                "cpu_ms_per_job": round(cpu / (reps - 1) * 1e3, 3),
+                                "copies_per_job": sum(b.num_copies for b in plan),
                             }
                         )
                         log(f"bandwidth {rows[-1]}")
             note_staging(executor)
+        # staging, temporaries and row ids: the device memory transfers took beyond the KV
+        beyond_kv[page_kib] = torch.cuda.max_memory_allocated() - kv_bytes
         del kv, layout, pool, executor
         torch.cuda.empty_cache()
-    return {"layers": layers, "blocks_per_job": job, "rows": rows}
+    return {"layers": layers, "blocks_per_job": job, "rows": rows, "device_bytes_beyond_kv": beyond_kv}
 
 
-def cpu_while_waiting() -> dict:
-    layout, pool = big_setup(layers=16, blocks=1024)
+def cpu_while_waiting(page: int = 64 << 10) -> dict:
+    layout, pool = big_setup(layers=16, blocks=1024, page=page)
     out = {}
     for name, cuda in (("blocking_events", None), ("broken_spinning_events", _Cuda(blocking=False))):
         executor = CUDAExecutor(layout, pool, cuda=cuda)
@@ -432,9 +442,9 @@ def cpu_while_waiting() -> dict:
     return out
 
 
-def matmul_slowdown() -> dict:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    layout, pool = big_setup(layers=16, blocks=1024)  # 512 MiB jobs
+def matmul_slowdown(size: int = 8192, page: int = 64 << 10) -> dict:
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    layout, pool = big_setup(layers=16, blocks=1024, page=page)  # 512 MiB jobs
 
     def matmuls() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -466,11 +476,10 @@ def matmul_slowdown() -> dict:
 # -- 7. pinned region -------------------------------------------------------------------
 
 
-def pinned_region() -> dict:
-    page = 1 << 20
+def pinned_region(blocks: int = 6200, page: int = 1 << 20) -> dict:
     kv = {"l0": torch.empty((4, page), dtype=torch.uint8, device="cuda")}
     layout = KVLayout.from_layer_tensors(kv)
-    blocks = 6200  # 6.5 GB: not a power of two
+    # default 6.5 GB: not a power of two
     out = {"requested_bytes": blocks * page}
     for name, kwargs in (("parallel_chunks", {}), ("one_register_call", {"register_threads": 1})):
         if name == "one_register_call":
