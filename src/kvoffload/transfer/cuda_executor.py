@@ -23,9 +23,9 @@ copy of it is still writing (the caller may hand its blocks to someone else at o
 
 Memory: staging is at most ``staging_bytes`` per worker thread (raised to one host row
 of a group when a row is larger), allocated on first use, kept for the engine's life and
-counted in ``staging_bytes_held``; a store into an interleaved pool also holds a
-temporary of one tensor's share of a batch while gathering. Device memory comes from the
-caching allocator's pool for the side stream, outside the KV cache the engine sized.
+counted in ``staging_bytes_held``, plus each job's device row ids (8 bytes a row). Device
+memory comes from the caching allocator's pool for the side stream, outside the KV cache
+the engine sized.
 
 ``cuda`` (default ``torch.cuda``) is the only way the executor touches streams, events and
 devices, so tests drive this same code on CPU tensors with a stand-in.
@@ -183,12 +183,11 @@ class CUDAExecutor:
         for gather, idx in zip(batch.gathers, rows):
             for col in gather.columns:
                 device, view = self._wide_pair(col, staging, len(gather.device_rows))
-                if not store:
-                    device.index_copy_(0, idx, view)
-                elif view.is_contiguous():
+                if store:
+                    # Into the strided staging rows directly: ``out`` may be non-contiguous.
                     torch.index_select(device, 0, idx, out=view)
                 else:
-                    view.copy_(torch.index_select(device, 0, idx))
+                    device.index_copy_(0, idx, view)
         if store:
             for h, s, n in copies:
                 region[h : h + n].copy_(staging[s : s + n], non_blocking=True)
