@@ -175,3 +175,60 @@ def test_connector_stats_are_increments_that_aggregate_and_reach_prometheus():
     finally:
         for worker in workers:
             worker.close()
+
+
+def test_tokens_promoted_from_disk_count_as_disk_in_vllm_and_per_tier(model, tmp_path):
+    import prometheus_client
+
+    from kvoffload import metrics
+
+    first, second = word_text(41, PROMPT), word_text(42, PROMPT)
+    block_bytes = kv_block_bytes(model)
+    extra = {
+        "cpu_bytes_to_use": 70 * block_bytes,  # the second prompt evicts most of the first from host memory
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(tmp_path), "bytes_to_use": 400 * (block_bytes + 4096)}
+        ],
+    }
+    llm = make_llm(model, kvoffload=extra)
+    ours = metrics.serve(0)
+    vllms, _ = prometheus_client.start_http_server(0, addr="127.0.0.1")
+    try:
+        generate(llm, [first])
+        settle(llm)
+        generate(llm, [second])
+        for _ in range(3):
+            settle(llm)  # the write-through of both prompts
+        assert llm.reset_prefix_cache()
+        ((_, served),) = generate(llm, [first])
+        settle(llm)
+        assert served == OFFLOADED
+
+        got = scrape(ours.server_port)
+        seen = scrape(vllms.server_port)
+        disk, host = {"tier": "1:fs"}, {"tier": "0:primary"}
+        from_disk = value(got, "kvoffload_hit_tokens_total", **disk)
+        from_host = value(got, "kvoffload_hit_tokens_total", **host)
+        assert from_disk > 0 and from_disk + from_host == served
+        assert value(seen, "vllm:prompt_tokens_cached_by_source_total", source="disk") == from_disk
+        assert value(seen, "vllm:prompt_tokens_cached_by_source_total", source="host") == from_host
+        assert value(seen, "vllm:kvoffload_hit_tokens_total", **disk) == from_disk
+        # every block promoted from disk was promoted for this load, and written through before
+        promoted = value(got, "kvoffload_transfer_blocks_total", **disk, direction="load")
+        assert promoted == from_disk // 32
+        assert value(got, "kvoffload_transfer_blocks_total", **disk, direction="store") == 2 * BLOCKS
+        read = value(got, "kvoffload_tier_counter_total", **disk, side="worker", counter="bytes_read")
+        assert read > 0 and value(got, "vllm:kv_offload_tiering_read_bytes_total", **disk) == read
+        assert value(seen, "vllm:kv_offload_tiering_read_bytes_total", **disk) == read
+        written = value(got, "kvoffload_tier_counter_total", **disk, side="worker", counter="bytes_written")
+        assert value(got, "vllm:kv_offload_tiering_write_bytes_total", **disk) == written > 0
+        disk_stats = scheduler_connector(llm)._scheduler.manager.tier_stats()[1]
+        assert value(got, "kvoffload_capacity_blocks", **disk) == disk_stats.capacity > 0
+        assert value(got, "kvoffload_blocks", **disk, state="idle") == 2 * BLOCKS
+        assert value(got, "kvoffload_lookup_hits_total", **disk) >= promoted
+        assert value(got, "kvoffload_evictions_total", **host) > 0
+        assert value(got, "vllm:kv_offload_tiering_promotion_job_failures_total", **disk) == 0
+    finally:
+        ours.shutdown()
+        vllms.shutdown()
+        close_llm(llm)
