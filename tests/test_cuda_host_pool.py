@@ -12,7 +12,9 @@ import time
 import pytest
 import torch
 
-from kvoffload.transfer import HostBlockPool, KVLayout
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
+from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
+from transfer_oracle import assert_state, expected_after, randomize, snapshot
 
 PAGES = (48, 16, 40)
 
@@ -124,3 +126,23 @@ def test_failed_pinning_falls_back_to_pageable_with_a_warning(caplog):
     assert sorted(fake.unregistered) == sorted(fake.registered)  # nothing left half pinned
     assert "stays pageable" in caplog.text
     assert pool.region.numel() == pool.nbytes  # still usable
+
+
+def test_an_interleaved_pool_serves_the_cpu_executor_too():
+    """The views keep their meaning in either layout, so every mover of host blocks works."""
+    gen = torch.Generator().manual_seed(3)
+    lay = layout()
+    for t in lay.tensors:
+        randomize(t, gen)
+    pool = HostBlockPool(lay, 6, interleave=True)
+    randomize(pool.region, gen)
+    with TransferEngine(lay, pool) as engine:
+        for job_id, store in ((1, True), (2, False)):
+            before = snapshot(lay, pool)
+            device, host = DeviceLoadStoreSpec([4, 1, 7], [2, 1], [0, 0]), CPULoadStoreSpec([5, 0, 2])
+            engine.submit(job_id, *((device, host) if store else (host, device)))
+            engine.wait([job_id])
+            assert [r.success for r in engine.poll()] == [True]
+            assert_state(
+                lay, pool, expected_after(lay, pool, before, store, [4, 1, 7], [2, 1], [0, 0], [5, 0, 2])
+            )
