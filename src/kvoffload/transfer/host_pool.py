@@ -20,10 +20,10 @@ interleaved region, so it is refused.
 Pinning. One region of exactly the pool's size, mapped anonymously (page-aligned, pages
 zero-filled on first touch), then, chunk by chunk on several threads, faulted in
 (``MADV_POPULATE_WRITE``; the page zeroing is what takes time) and registered with
-``cudaHostRegister``. Chunks start and end on page boundaries: the driver pins whole pages, so two
-chunks sharing a page would overlap and the second registration would fail. Copy
-planners keep each copy inside one chunk (``register_bounds``): a copy spanning two
-registrations is not one pinned range to the driver. Why not ``pin_memory=True``:
+``cudaHostRegister``. Chunks start and end on page boundaries: the driver pins whole
+pages, so two chunks sharing a page would overlap and the second registration would
+fail. Copy planners keep each copy inside one chunk (``register_bounds``): a copy
+spanning two registrations is not one pinned range to the driver. Why not ``pin_memory=True``:
 PyTorch's caching host allocator rounds an allocation up to a power of two (up to 2x the
 memory), and one allocation per tensor wastes that per tensor. When registration fails,
 the region stays pageable with a logged warning: copies are then correct but synchronous
