@@ -5,6 +5,8 @@ Run: .venv/bin/python bench/bench_disk.py [--dir DIR] [--mib 256] [--quick]
 
 Everything runs in one folder (``--dir``, default a fresh folder under /tmp) in one run:
 
+* **Against vLLM**: vLLM 0.32's own fs-tier I/O functions (file per block, its C
+  extension) on the same bytes with the same threads and job size (``vllm_fs``).
 * **Throughput** of ``FSWorker`` (the chosen layout: one preallocation-free slot file plus a
   header file, ``kvoffload.tiers.fs``) and of a *file-per-block* layout written here for
   the comparison (one file per block named by its key, written to a temporary name and
@@ -80,7 +82,8 @@ def drop_cache(paths) -> None:
 
 
 def files_under(folder: str) -> list[str]:
-    return [entry.path for entry in os.scandir(folder) if entry.is_file()]
+    """Every file below ``folder``, sub-folders included."""
+    return [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
 
 
 # -- the alternative layout: a file per block ---------------------------------------------
@@ -253,6 +256,44 @@ def file_per_block(folder: str, pool: HostBlockPool, blocks: int) -> dict[str, f
             drop_cache(files_under(layout.folder))
         start = time.perf_counter()
         parallel(layout.read)
+        result[f"load_{mode}"] = nbytes / (time.perf_counter() - start)
+    return result
+
+
+def vllm_fs(folder: str, buf: np.ndarray, block_bytes: int, blocks: int) -> dict[str, float]:
+    """vLLM 0.32's own fs-tier I/O functions (``vllm.v1.kv_offload.tiering.fs.io``: one
+    file per block, temp file + rename, its C extension when built) on the same bytes,
+    with the same threads and job size, through the page cache (``use_o_direct=False``,
+    as ours)."""
+    from vllm.v1.kv_offload.tiering.fs.io import batch_load_block, batch_store_block
+
+    view = memoryview(buf)
+    per_job = max(1, JOB_BYTES // block_bytes)
+    paths = [os.path.join(folder, f"{i % 256:02x}", key(i).hex() + ".bin") for i in range(blocks)]
+    for sub in {os.path.dirname(p) for p in paths}:
+        os.makedirs(sub, exist_ok=True)
+    jobs = [range(first, min(blocks, first + per_job)) for first in range(0, blocks, per_job)]
+
+    def run(fn):
+        def job(ids):
+            fn([paths[i] for i in ids], view, [i * block_bytes for i in ids], block_bytes, False)
+
+        with ThreadPoolExecutor(THREADS) as ex:
+            list(ex.map(job, jobs))
+
+    nbytes = blocks * block_bytes
+    os.sync()
+    start = time.perf_counter()
+    run(batch_store_block)
+    cached = time.perf_counter() - start
+    os.sync()
+    durable = time.perf_counter() - start
+    result = {"store_cached": nbytes / cached, "store_durable": nbytes / durable}
+    for mode in ("cold", "warm"):
+        if mode == "cold":
+            drop_cache(files_under(folder))
+        start = time.perf_counter()
+        run(batch_load_block)
         result[f"load_{mode}"] = nbytes / (time.perf_counter() - start)
     return result
 
@@ -463,10 +504,12 @@ def report(folder: str, args) -> None:
     print("| block | layout | store (cached) | store (durable) | load (cold) | load (warm) |")
     print("|---|---|---|---|---|---|")
     ratios = {}
+    against_vllm: dict[int, dict[str, float]] = {}
     cases = {
         "sequential baseline": lambda sub, pool, blocks, buf: sequential(sub, blocks * pool_bytes(pool), buf),
         "slot file (chosen)": lambda sub, pool, blocks, buf: slot_file(sub, pool, blocks),
         "file per block": lambda sub, pool, blocks, buf: file_per_block(sub, pool, blocks),
+        "vLLM 0.32 fs tier": lambda sub, pool, blocks, buf: vllm_fs(sub, buf, pool_bytes(pool), blocks),
     }
     for block_bytes in (256 << 10, 2 << 20):
         blocks = (args.mib << 20) // block_bytes
@@ -486,8 +529,15 @@ def report(folder: str, args) -> None:
             cells = " | ".join(f"{r[c] / gb:.2f}" for c in COLUMNS)
             print(f"| {block_bytes >> 10} KiB | {name} | {cells} |")
         base = rows["sequential baseline"]
-        for name in ("slot file (chosen)", "file per block"):
+        for name in ("slot file (chosen)", "file per block", "vLLM 0.32 fs tier"):
             ratios[(block_bytes, name)] = {c: rows[name][c] / base[c] for c in base}
+        ours, theirs = rows["slot file (chosen)"], rows["vLLM 0.32 fs tier"]
+        against_vllm[block_bytes] = {c: ours[c] / theirs[c] for c in base}
+    print("\nSlot file (chosen) against vLLM 0.32's fs tier I/O, same bytes and threads (target >= 1.5x):\n")
+    print("| block | store (cached) | store (durable) | load (cold) | load (warm) |")
+    print("|---|---|---|---|---|")
+    for block_bytes, r in against_vllm.items():
+        print(f"| {block_bytes >> 10} KiB | " + " | ".join(f"{r[c]:.2f}x" for c in COLUMNS) + " |")
     print("\nRatio to the sequential baseline:\n")
     print("| block | layout | store (cached) | store (durable) | load (cold) | load (warm) |")
     print("|---|---|---|---|---|---|")
