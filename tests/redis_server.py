@@ -107,9 +107,17 @@ class RedisServer:
         self.proc = None
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path).start()
+# Valkey speaks the same protocol: where its server is installed, the shared-tier tests
+# that use this fixture run against both.
+SERVERS = ["redis-server"] + (["valkey-server"] if shutil.which("valkey-server") else [])
+
+
+@pytest.fixture(params=SERVERS)
+def redis_server(tmp_path, request):
+    server = RedisServer(tmp_path)
+    if request.param != "redis-server":
+        server.binary = shutil.which(request.param)
+    server.start()
     yield server
     server.stop()
 
