@@ -14,6 +14,10 @@ Keys:
   ``kvoffload.tiers.secondary``; out-of-tree tiers by ``"package.module:ClassName"``).
 * ``store_threshold``: store a block only once this many requests asked for it, a
   positive int (default 1: store every block; vLLM 0.32's key of the same name).
+* ``fault_injection``: off by default. For tests and drills, a mapping that makes chosen
+  loads and stores fail (``kvoffload.faults``): ``{"seed": 1, "load_failure_rate": 0.1,
+  "store_failure_rate": 0.1, "fail_loads": [...], "fail_stores": [...]}`` (rates in
+  [0, 1], positions are 0-based among loads / stores).
 
 Every error is a ``ValueError`` whose message names the key and the bad value.
 """
@@ -24,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.faults import FaultConfig
 from kvoffload.scheduler.events import EVENT_MODES
 from kvoffload.tiers.factory import TierConfig
 from kvoffload.tiers.secondary import parse_secondary_tiers
@@ -36,6 +41,7 @@ KNOWN_KEYS = (
     "kv_events",
     "secondary_tiers",
     "store_threshold",
+    "fault_injection",
 )
 
 
@@ -47,6 +53,7 @@ class OffloadConfig:
     tiers: TierConfig
     kv_events: str
     store_threshold: int = 1
+    faults: FaultConfig | None = None  # fault_injection: None = off
 
 
 def _positive_int(extra: Mapping[str, Any], key: str) -> int:
@@ -87,4 +94,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
         )
     except ValueError as exc:
         raise ValueError(f"kv_connector_extra_config: {exc}") from None
-    return OffloadConfig(tiers, events, store_threshold)
+    faults = None
+    if extra.get("fault_injection") is not None:
+        faults = FaultConfig.parse(extra["fault_injection"], "kv_connector_extra_config['fault_injection']")
+    return OffloadConfig(tiers, events, store_threshold, faults)

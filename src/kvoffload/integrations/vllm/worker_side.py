@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from kvoffload.faults import FaultInjectingWorker
 from kvoffload.integrations.vllm.config import OffloadConfig
 from kvoffload.integrations.vllm.layout import build_layout, host_block_bytes, kv_identity
 from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
@@ -50,6 +51,9 @@ class WorkerSide:
         identity = kv_identity(self._vllm_config, self._kv_cache_config, tiers.blocks_per_offload_block)
         rank = self._vllm_config.parallel_config.rank
         self.worker = build_worker(tiers, layout, per_block, identity, rank)
+        if self._config.faults is not None:  # the fault_injection key: tests and drills only
+            self.worker = FaultInjectingWorker(self.worker, self._config.faults)
+            logger.warning("kvoffload: fault injection is on: %s", self._config.faults)
         num_blocks = tiers.num_host_blocks(per_block)
         logger.info(
             "kvoffload: %d host blocks (%.1f MiB) for %s", num_blocks, num_blocks * per_block / 2**20, layout
