@@ -11,9 +11,13 @@ Contract:
   counted as ``lost``; with no replay endpoint every gap is lost.
 * A subscriber that joins late (first live ``seq`` above ``start_seq``) backfills from
   ``start_seq`` (0 by default; ``None`` starts from the first live batch).
-* A live sequence number at or below the last live one, or a live batch that differs from
-  the one replay already delivered under its number, means the publisher restarted:
-  ``restarts`` is counted and delivery starts over from the new publisher's ``start_seq``.
+* A live sequence number at or below the last live one, a live batch that differs from
+  the one replay already delivered under its number, or a live sequence number below the
+  next expected one that was never delivered (e.g. below a resumed ``start_seq``, or
+  after a stream delivered by replay alone) means the publisher restarted:
+  ``restarts`` is counted and delivery starts over from the new publisher's first batch
+  (sequence 0, whatever ``start_seq`` was: it names where to join the first publisher's
+  stream, and a checkpoint of the old stream means nothing in the new one).
 * A message that is not three frames with an 8-byte sequence, or whose payload does not
   decode, is skipped and counted as ``malformed``; it is not requested again.
 * ``stats()`` counts: ``decoded`` = ``live`` + ``replayed`` batches delivered, ``lost``,
@@ -118,6 +122,7 @@ class EventSubscriber:
         # copies are duplicates only if they are the same bytes.
         self._ahead: dict[int, int] = {}
         self._ahead_order: deque[int] = deque()
+        self._ahead_floor = -1  # the highest sequence number forgotten for _AHEAD_LIMIT
         self._stats = SubscriberStats()
 
         self._sub = self._ctx.socket(zmq.SUB)
@@ -201,10 +206,11 @@ class EventSubscriber:
         if self._is_restart(seq, frames[2]):
             self._stats.restarts += 1
             logger.warning("KV event publisher restarted (live seq %d, expected %s)", seq, self._expected)
-            self._expected = self._start_seq
+            self._expected = 0
             self._gap = 0  # what the old publisher's stream missed is no gap in the new one
             self._ahead.clear()
             self._ahead_order.clear()
+            self._ahead_floor = -1
         self._last_live = seq
         while self._ahead_order and self._ahead_order[0] <= seq:
             self._ahead.pop(self._ahead_order.popleft(), None)
@@ -222,7 +228,13 @@ class EventSubscriber:
         if self._last_live is not None and seq <= self._last_live:
             return True
         delivered = self._ahead.get(seq)
-        return delivered is not None and delivered != hash(payload)
+        if delivered is not None:
+            return delivered != hash(payload)
+        # Below the next expected number yet never delivered, live or by replay: not this
+        # publisher's (its live stream reached us only past what we had), so a new one's.
+        # Without this, a subscriber fed by replay alone would drop a restarted
+        # publisher's whole stream as duplicates.
+        return self._expected is not None and self._ahead_floor < seq < self._expected
 
     def _deliver(self, seq: int, payload: bytes, live: bool) -> None:
         self._expected = seq + 1
@@ -288,7 +300,9 @@ class EventSubscriber:
             self._ahead[seq] = hash(frames[3])
             self._ahead_order.append(seq)
             if len(self._ahead_order) > _AHEAD_LIMIT:
-                self._ahead.pop(self._ahead_order.popleft(), None)
+                forgotten = self._ahead_order.popleft()
+                self._ahead.pop(forgotten, None)
+                self._ahead_floor = max(self._ahead_floor, forgotten)
             self._deliver(seq, frames[3], live=False)
 
     def _new_replay_socket(self) -> zmq.Socket:
