@@ -1,6 +1,8 @@
 """``kvoffload events tail ENDPOINT``: subscribe to a KV event publisher and print each
 event on one line; on exit (end of ``--max-batches``, ``--timeout`` or Ctrl-C) print the
-subscriber's counters."""
+subscriber's counters, then the same counters as ``kvoffload.metrics`` exposes them (one
+``name value`` line each). ``--metrics-port`` serves them over HTTP while it runs
+(``--metrics-host``, 127.0.0.1 by default)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import argparse
 import sys
 import time
 
+from kvoffload import metrics
 from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSubscriber, KVEvent
 
 IDLE_CATCH_UP_S = 1.0
@@ -26,6 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tail.add_argument("--max-batches", type=int, metavar="N", help="exit after N batches")
     tail.add_argument("--timeout", type=float, metavar="SECONDS", help="exit after this many seconds")
     tail.add_argument("--data-parallel-rank", type=int, default=0, help="rank whose endpoints to derive")
+    tail.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="serve the counters on /metrics (Prometheus)"
+    )
+    tail.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)"
+    )
     tail.set_defaults(run=run_tail)
 
 
@@ -74,6 +83,15 @@ def run_tail(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise SystemExit(f"kvoffload events tail: {exc}") from None
+    source = metrics.SubscriberSource(subscriber)
+    server = None
+    if args.metrics_port is not None:
+        metrics.register(source)
+        try:
+            server = metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            subscriber.close()
+            raise SystemExit(f"kvoffload events tail: --metrics-port {args.metrics_port}: {exc}") from None
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     batches = 0
     interrupted = False
@@ -101,5 +119,10 @@ def run_tail(args: argparse.Namespace) -> int:
     finally:
         counters = " ".join(f"{k}={v}" for k, v in subscriber.stats().as_dict().items())
         print(f"batches={batches} {counters}", file=sys.stderr, flush=True)
+        for line in metrics.exposition_lines([source]):
+            print(line, file=sys.stderr, flush=True)
+        if server is not None:
+            server.shutdown()
+            metrics.unregister(source)
         subscriber.close()
     return 130 if interrupted else 0

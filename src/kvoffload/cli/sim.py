@@ -21,7 +21,11 @@ ratio and imbalance against the capacity per replica. Belady and the disk tier a
 out there; ``--policies`` defaults to lru and ``--capacities`` to 1%,5%.
 ``--shared-capacity`` adds one shared tier (a Redis server, say) under every replica's
 host tier, sized for the whole fleet, read at ``--remote-bandwidth``: what sharing
-buys a fleet that routes without affinity shows as its ``shared`` column."""
+buys a fleet that routes without affinity shows as its ``shared`` column.
+
+With ``--metrics-port`` (host-tier replay only) the host tier of the row being replayed is
+served on ``/metrics`` (``kvoffload.metrics``, ``--metrics-host`` 127.0.0.1 by default),
+and after the table each row's tier counters are printed as that endpoint serves them."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvoffload import metrics
 from kvoffload.index.tiers import TierWeights
 from kvoffload.sim.disk_plan import ADMISSION, DEFAULT_ADMISSION, plan_disk
 from kvoffload.sim.fleet import default_load_window, format_fleet_table, plan_fleet, write_fleet_plot
@@ -171,6 +176,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csv", type=Path, default=Path("sim.csv"), help="CSV output (default sim.csv)")
     p.add_argument("--png", type=Path, default=Path("sim.png"), help="plot output (default sim.png)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the host tier's counters on /metrics while each row replays, and print them per row "
+        "(host-tier replay only)",
+    )
+    p.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)"
+    )
     p.set_defaults(run=run)
 
 
@@ -228,9 +243,15 @@ def run(args: argparse.Namespace) -> int:
         write_csv(disk_rows, args.csv)
         write_disk_plot(disk_rows, args.png, title=title)
     else:
-        with _progress(args, len(policies) * len(capacities)) as progress:
-            rows = plan(trace, policies, capacities, args.device_blocks, cost, progress=progress)
+        with _progress(args, len(policies) * len(capacities)) as progress, _metrics(args) as on_tier:
+            rows = plan(
+                trace, policies, capacities, args.device_blocks, cost, progress=progress, on_tier=on_tier
+            )
         print(format_table(rows))
+        for (name, spec), source in getattr(on_tier, "tiers", {}).items():
+            print(f"counters of {name} @ {spec}, as /metrics serves them:")
+            for line in metrics.exposition_lines([source]):
+                print(f"  {line}")
         print(f"{link}{cost.kv_bytes_per_token:,} KV bytes/token; stores overlap compute and are not charged")
         write_csv(rows, args.csv)
         write_plot(rows, args.png, title=title)
@@ -324,6 +345,10 @@ def _validate(args: argparse.Namespace):
         float(_flag_bytes(args.remote_bandwidth, "--remote-bandwidth")),
     )
     in_fleet = args.replicas is not None
+    if args.metrics_port is not None and (in_fleet or args.disk_capacities):
+        raise ValueError(
+            "--metrics-port serves the host-tier replay only, not --replicas or --disk-capacities"
+        )
     if args.policies is None:
         args.policies = FLEET_POLICIES if in_fleet else DEFAULT_POLICIES
     if args.capacities is None:
@@ -365,6 +390,38 @@ def _flag_bytes(text: str, flag: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise ValueError(f"{flag}: {exc}") from None
+
+
+@contextmanager
+def _metrics(args: argparse.Namespace):
+    """With ``--metrics-port``: an ``on_tier`` for ``plan`` that serves the row being
+    replayed (``kvoffload.metrics``) and keeps every row's tier in ``on_tier.tiers``."""
+    if args.metrics_port is None:
+        yield None
+        return
+    current: list[metrics.TierSource] = []
+
+    class Current:
+        def read_metrics(self, samples) -> None:
+            if current:
+                current[-1].read_metrics(samples)
+
+    def on_tier(policy: str, capacity: str, tier) -> None:
+        current.append(metrics.TierSource(tier))
+        on_tier.tiers[(policy, capacity)] = current[-1]
+
+    on_tier.tiers = {}
+    source = Current()
+    try:
+        server = metrics.serve(args.metrics_port, args.metrics_host)
+    except OSError as exc:
+        raise SystemExit(f"kvoffload sim: --metrics-port {args.metrics_port}: {exc}") from None
+    metrics.register(source)
+    try:
+        yield on_tier
+    finally:
+        metrics.unregister(source)
+        server.shutdown()
 
 
 @contextmanager

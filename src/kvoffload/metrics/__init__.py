@@ -93,6 +93,8 @@ _EXPORTS = {
     "register": "kvoffload.metrics.exporter",
     "unregister": "kvoffload.metrics.exporter",
     "serve": "kvoffload.metrics.exporter",
+    "exposition_lines": "kvoffload.metrics.exporter",
+    "TierSource": "kvoffload.metrics.samples",
 }
 
 __all__ = sorted(_EXPORTS)

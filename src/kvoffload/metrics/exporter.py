@@ -103,3 +103,14 @@ def serve(port: int, host: str = "127.0.0.1", registry: CollectorRegistry = REGI
     """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread."""
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server
+
+
+def exposition_lines(sources: Iterable[MetricSource]) -> list[str]:
+    """The samples ``/metrics`` would serve for ``sources``, one ``name{labels} value``
+    line each (what the command-line tools print)."""
+    from prometheus_client import generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KVOffloadCollector(sources))
+    text = generate_latest(registry).decode()
+    return [line for line in text.splitlines() if line and not line.startswith("#")]

@@ -301,6 +301,17 @@ class WorkerSource:
             read_counters(samples, worker, tier, "worker")
 
 
+class TierSource:
+    """A manager's tiers alone (no scheduler), e.g. the tier a trace replay drives."""
+
+    def __init__(self, manager: Any, labels: Mapping[str, str] | None = None) -> None:
+        self.manager = manager
+        self.labels = dict(labels or tier_labels([]))
+
+    def read_metrics(self, samples: Samples) -> None:
+        read_manager(samples, self.manager, self.labels)
+
+
 class PublisherSource:
     def __init__(self, publisher: Any) -> None:
         self.publisher = publisher

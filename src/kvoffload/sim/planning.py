@@ -142,8 +142,10 @@ def plan(
     device_blocks: int = 0,
     cost: CostModel = CostModel(),
     progress: Callable[[str], None] | None = None,
+    on_tier: Callable[[str, str, CPUOffloadingManager], None] | None = None,
 ) -> list[PlanRow]:
-    """Replay ``trace`` for every policy at every capacity; rows in (policy, capacity) order."""
+    """Replay ``trace`` for every policy at every capacity; rows in (policy, capacity) order.
+    ``on_tier(policy, capacity, tier)`` hears of each row's host tier before its replay."""
     policies = validate_policies(policies)
     unique = trace.unique_blocks()
     block_bytes = trace.block_size * cost.kv_bytes_per_token
@@ -159,9 +161,10 @@ def plan(
             if name.lower() == BELADY:
                 rows.append(_belady_row(trace, key_lists, served, lengths, spec, blocks, unique, cost))
                 continue
-            result = replay_tiered(
-                CPUOffloadingManager(blocks, name), key_lists, served, lengths, trace.block_size
-            )
+            tier = CPUOffloadingManager(blocks, name)
+            if on_tier:
+                on_tier(name, spec, tier)
+            result = replay_tiered(tier, key_lists, served, lengths, trace.block_size)
             rows.append(
                 _row(
                     name,
