@@ -19,7 +19,11 @@ Contract:
   (sequence 0, whatever ``start_seq`` was: it names where to join the first publisher's
   stream, and a checkpoint of the old stream means nothing in the new one).
 * A message that is not three frames with an 8-byte sequence, or whose payload does not
-  decode, is skipped and counted as ``malformed``; it is not requested again.
+  decode, is skipped and counted as ``malformed``. The sequence frame of a payload that
+  does not decode is believed only when it is exactly the next expected number (that
+  batch is then skipped: it is not requested again, and the next delivery's ``gap``
+  counts it); any other number moves nothing, so noise never counts batches lost or looks
+  like a publisher restart.
 * ``stats()`` counts: ``decoded`` = ``live`` + ``replayed`` batches delivered, ``lost``,
   ``malformed``, ``duplicates`` (already delivered, skipped), ``restarts``,
   ``replay_requests``, ``replay_timeouts`` (requests no replay answered in time).
@@ -202,7 +206,13 @@ class EventSubscriber:
             self._stats.malformed += 1
             logger.warning("skipping malformed KV event message of %d frames", len(frames))
             return
+        # Decoded before its sequence frame is believed: a message that is not a batch
+        # (noise, a foreign sender) must not count batches lost or look like a restart.
         seq = int.from_bytes(frames[1], "big")
+        batch = self._decode(frames[2], frames[1].hex())
+        if batch is None:
+            self._skip_undecodable(seq)
+            return
         if self._is_restart(seq, frames[2]):
             self._stats.restarts += 1
             logger.warning("KV event publisher restarted (live seq %d, expected %s)", seq, self._expected)
@@ -221,7 +231,7 @@ class EventSubscriber:
         if seq < self._expected:
             self._stats.duplicates += 1
             return
-        self._deliver(seq, frames[2], live=True)
+        self._deliver(seq, batch, live=True)
 
     def _is_restart(self, seq: int, payload: bytes) -> bool:
         # One publisher's live stream only goes up, so going back means a new publisher.
@@ -236,15 +246,23 @@ class EventSubscriber:
         # publisher's whole stream as duplicates.
         return self._expected is not None and self._ahead_floor < seq < self._expected
 
-    def _deliver(self, seq: int, payload: bytes, live: bool) -> None:
-        self._expected = seq + 1
+    def _decode(self, payload: bytes, seq: str) -> KVEventBatch | None:
         try:
-            batch = decode(payload)
+            return decode(payload)
         except EventDecodeError as exc:
             self._stats.malformed += 1
+            logger.warning("skipping KV event message (sequence frame %s): %s", seq, exc)
+            return None
+
+    def _skip_undecodable(self, seq: int) -> None:
+        if seq == self._expected:
+            # The next batch in order, corrupted: never delivered, so the next delivery's
+            # gap reports it. Any other number is not believed (a gap repairs it if real).
+            self._expected = seq + 1
             self._gap += 1
-            logger.warning("skipping KV event batch %d: %s", seq, exc)
-            return
+
+    def _deliver(self, seq: int, batch: KVEventBatch, live: bool) -> None:
+        self._expected = seq + 1
         self._stats.decoded += 1
         if live:
             self._stats.live += 1
@@ -290,6 +308,10 @@ class EventSubscriber:
             if frames[2] == END_SEQ:
                 return
             seq = int.from_bytes(frames[2], "big")
+            batch = self._decode(frames[3], frames[2].hex())
+            if batch is None:
+                self._skip_undecodable(seq)
+                continue
             assert self._expected is not None
             if seq < self._expected:
                 self._stats.duplicates += 1
@@ -303,7 +325,7 @@ class EventSubscriber:
                 forgotten = self._ahead_order.popleft()
                 self._ahead.pop(forgotten, None)
                 self._ahead_floor = max(self._ahead_floor, forgotten)
-            self._deliver(seq, frames[3], live=False)
+            self._deliver(seq, batch, live=False)
 
     def _new_replay_socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
