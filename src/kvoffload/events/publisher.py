@@ -21,7 +21,8 @@ Contract:
 * Endpoints are bound by default (``bind=False`` connects the PUB socket instead), tcp on
   127.0.0.1 unless another host is named; with data parallelism each rank derives its own
   endpoints (``kvoffload.events.endpoints.for_rank``). ``endpoint``/``replay_endpoint``
-  hold the resolved addresses (a tcp port 0 becomes the port the OS chose).
+  hold the resolved addresses (a tcp port 0 becomes the port the OS chose). An ``ipc://``
+  socket file it binds is made 0600: only its user's processes can subscribe or replay.
 * ``close()`` sends what is queued within ``flush_timeout`` seconds, then closes the
   sockets; later ``publish`` calls raise ``RuntimeError``.
 """
@@ -45,6 +46,7 @@ from kvoffload.counters import Counters
 from kvoffload.events import endpoints
 from kvoffload.events.codec import EventEncoder
 from kvoffload.events.types import EVENT_TYPES, HashFormat, KVEvent, KVEventBatch
+from kvoffload.private import chmod_private
 from kvoffload.validation import non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
@@ -295,4 +297,8 @@ class ZmqEventPublisher:
                 if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
                     raise ValueError(f"cannot bind KV event endpoint {endpoint!r}: {exc}") from exc
                 time.sleep(0.05)
-        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        path = bound[len("ipc://") :] if bound.startswith("ipc://") else ""
+        if path and not path.startswith("@"):  # a socket file (not Linux's abstract names)
+            chmod_private(path)
+        return bound

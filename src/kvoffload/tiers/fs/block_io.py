@@ -28,6 +28,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from kvoffload.private import open_private
 from kvoffload.tiers.fs.format import (
     DATA_FILE,
     EMPTY_RECORD,
@@ -104,10 +105,10 @@ class BlockFiles:
         self.fsync = fsync
         gap = geometry.slot_stride - geometry.payload_bytes
         self._zeros = memoryview(bytes(gap))  # written into the padding between slots of a run
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        self.data_fd = os.open(os.path.join(ns_dir, DATA_FILE), flags, 0o644)
+        # 0600 whatever the umask (kvoffload.private): the blocks are prompts
+        self.data_fd = open_private(os.path.join(ns_dir, DATA_FILE), os.O_RDWR)
         try:
-            self.header_fd = os.open(os.path.join(ns_dir, HEADER_FILE), flags, 0o644)
+            self.header_fd = open_private(os.path.join(ns_dir, HEADER_FILE), os.O_RDWR)
         except OSError:
             os.close(self.data_fd)
             raise

@@ -50,6 +50,7 @@ from kvoffload.manager import (
     TierStats,
 )
 from kvoffload.policies import CachePolicy, resolve_policy
+from kvoffload.private import open_private
 from kvoffload.specs import MEDIUM_DISK, DiskLoadStoreSpec
 from kvoffload.tiers.fs.format import INFO_FILE, LOCK_FILE, MAX_KEY_BYTES, Geometry
 from kvoffload.tiers.fs.index import SlotIndex
@@ -121,13 +122,14 @@ class FSOffloadingManager(OffloadingManager):
         self._pinned = 0
         self._counters = FSManagerCounters()
         if info is not None:
-            with open(os.path.join(self.path, INFO_FILE), "w") as f:
+            info_fd = open_private(os.path.join(self.path, INFO_FILE), os.O_WRONLY | os.O_TRUNC)
+            with os.fdopen(info_fd, "w") as f:
                 f.write(info + "\n")
         self._rebuild(verify_on_start)
 
     def _lock(self) -> int:
         try:
-            fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_private(os.path.join(self.path, LOCK_FILE), os.O_RDWR)
         except OSError as exc:
             raise ValueError(f"root_dir {os.path.dirname(self.path)!r} cannot be written: {exc}") from None
         try:

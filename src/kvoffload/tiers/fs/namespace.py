@@ -22,6 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvoffload.private import private_dir
 from kvoffload.tiers.fs.format import DIGEST_BYTES, FORMAT_VERSION
 
 PREFIX = "kv-"
@@ -109,12 +110,12 @@ def describe(identity: Mapping[str, Any]) -> str:
 
 
 def open_namespace_dir(root_dir: str | os.PathLike, namespace: str) -> str:
-    """``<root_dir>/<namespace>``, created if needed; ``ValueError`` naming ``root_dir``
-    when it cannot be created or written."""
+    """``<root_dir>/<namespace>``, created if needed, mode 0700 (``kvoffload.private``);
+    ``ValueError`` naming ``root_dir`` when it cannot be created or written."""
     check_namespace(namespace)
     path = os.path.join(os.fspath(root_dir), namespace)
     try:
-        os.makedirs(path, exist_ok=True)
+        private_dir(path)  # 0700: the blocks are prompts
     except OSError as exc:
         raise ValueError(f"root_dir {os.fspath(root_dir)!r} cannot be created: {exc}") from None
     if not os.access(path, os.W_OK | os.X_OK):

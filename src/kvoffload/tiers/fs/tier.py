@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvoffload.manager import OffloadingManager
+from kvoffload.private import make_private_dirs
 from kvoffload.tiers.fs.namespace import describe, fs_namespace
 from kvoffload.tiers.secondary import SecondaryTierType, TierContext
 from kvoffload.validation import positive_int
@@ -65,7 +66,7 @@ class FSTierType(SecondaryTierType):
             raise ValueError(f"root_dir must be a path, got {root_dir!r}")
         root_dir = os.fspath(root_dir)
         try:
-            os.makedirs(root_dir, exist_ok=True)
+            make_private_dirs(root_dir)  # folders it creates are 0700; existing ones kept
         except OSError as exc:
             raise ValueError(f"root_dir {root_dir!r} cannot be created: {exc}") from None
         if not os.access(root_dir, os.W_OK | os.X_OK):

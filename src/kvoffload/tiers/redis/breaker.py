@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvoffload.tiers.redis.client import redact
+
 log = logging.getLogger("kvoffload.tiers.redis")
 
 
@@ -85,5 +87,5 @@ class CircuitBreaker:
             log.warning(
                 "%s: server unavailable (%s); lookups miss and stores are dropped until it answers",
                 self.name,
-                error,
+                redact(str(error)),
             )

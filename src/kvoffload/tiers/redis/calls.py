@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvoffload.tiers.redis.breaker import CircuitBreaker
+from kvoffload.tiers.redis.client import redact
 
 Add = Callable[[Any, bytes, int], None]  # add(pipeline, name, index)
 
@@ -27,7 +28,7 @@ class NodeDown:
     __slots__ = ("reason",)
 
     def __init__(self, reason: str) -> None:
-        self.reason = reason
+        self.reason = redact(reason)  # it ends up in results and logs: no credentials
 
     def __repr__(self) -> str:
         return f"NodeDown({self.reason!r})"

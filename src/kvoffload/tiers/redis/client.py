@@ -11,25 +11,40 @@ a URL that goes into logs and errors.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 SCHEMES = ("redis", "rediss", "unix")
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+_QUERY_SECRET = re.compile(r"(?i)([?&;]password=)[^&;#]*")
+
+
 def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    """``url`` with its password replaced by ``***``; in any other text, every URL in it.
+
+    Works on the text, not on a parse: a password with an unescaped ``#``, ``/``, ``?``,
+    ``@`` or space (which a URL parser splits elsewhere) is hidden whole. Everything
+    before the last ``@`` of the URL is credentials; the user name stays when a ``:``
+    follows it, otherwise the whole of it is hidden. A ``password=`` query value too.
+    """
+    if not isinstance(url, str):
+        return "<not a url>"
+    if _URL.match(url):
+        return _redact_one(url)
+    return _URL_IN_TEXT.sub(lambda m: _redact_one(m.group(0)), url)
+
+
+def _redact_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    if at >= 0:
+        user, colon, _ = rest[:at].partition(":")
+        rest = (f"{user}:***" if colon else "***") + rest[at:]
+    return scheme + sep + _QUERY_SECRET.sub(r"\1***", rest)
 
 
 def check_url(url: object) -> str:
@@ -39,8 +54,13 @@ def check_url(url: object) -> str:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError as exc:
-        raise ValueError(f"url {redact(url)!r} is not a valid URL: {exc}") from None
+    except ValueError:
+        # not urllib's message: it quotes what it took for the port, which may be part of
+        # a password with an unescaped '#', '/' or '?'
+        raise ValueError(
+            f"url {redact(url)!r} is not a valid URL (bad host or port; percent-encode "
+            "reserved characters in a password)"
+        ) from None
     if parts.scheme not in SCHEMES:
         schemes = ", ".join(s + "://" for s in SCHEMES)
         raise ValueError(f"url {redact(url)!r} must start with one of {schemes}")
@@ -72,6 +92,12 @@ class ServerSettings:
     @property
     def shown(self) -> str:
         return redact(self.url)
+
+    def __repr__(self) -> str:  # the generated one would show the URL with its password
+        return (
+            f"ServerSettings(url={self.shown!r}, cluster={self.cluster}, password_env={self.password_env!r}, "
+            f"connect_timeout={self.connect_timeout}, timeout={self.timeout})"
+        )
 
 
 def connect(settings: ServerSettings):
