@@ -82,6 +82,7 @@ class SchedulerStats(Counters):
     failed_stores: int = 0
     failed_tier_transfers: int = 0  # write-through or promotion copies between tiers
     skipped_stores: int = 0  # blocks held back by the reuse filter (store_threshold)
+    declined_stores: int = 0  # blocks the tier had no room for (all of its slots in use)
 
 
 @dataclass
@@ -308,7 +309,11 @@ class OffloadingScheduler:
         if not candidates:
             return None
         out = self.manager.prepare_store([key for _, _, key in candidates])
-        if out is None or not out.keys_to_store:
+        if out is None:
+            # Atomic refusal: nothing is stored and the engine goes on; not offered again.
+            self.stats.declined_stores += len(candidates)
+            return None
+        if not out.keys_to_store:
             return None
         chosen = set(out.keys_to_store)
         device_ids: list[int] = []
