@@ -114,7 +114,7 @@ def test_rates_are_seeded_and_count_every_failure(setup):
     assert 30 <= len(first) <= 90  # 30% of 200, loosely
 
 
-def test_other_routes_pass_through_and_unknown_routes_still_raise(setup):
+def test_routes_are_the_inner_workers_and_an_unknown_route_still_raises(setup):
     _, _, engine = setup
     worker = FaultInjectingWorker(WorkerRouter([engine]), FaultConfig(load_failure_rate=1.0))
     assert worker.routes == engine.routes
