@@ -28,6 +28,10 @@ What Dynamo 1.6.1 does with them (measured here, pinned by the tests):
 
 * Its ``/query_by_hash`` takes other hashes than ours under the same field name
   (``block_hashes``): its own hash of each block's tokens, not the engine's block hashes.
+* Its ``/query`` answer has the same ``scores`` and ``longest_matched`` as ours, but the
+  per-tier breakdown sits elsewhere (``instances[id]`` has ``gpu``/``cpu``/``disk`` and
+  ``dp: {rank: device tokens}``; ours has ``dp: {rank: {gpu, cpu, disk, shared, ...}}``),
+  and no ``tree_sizes``.
 
 If kvoffload stops putting ``ownership`` on its disk-tier events,
 ``test_disk_tier_events_of_kvoffload_are_dropped_by_dynamo`` must be changed to assert
@@ -386,5 +390,47 @@ def test_query_by_hash_takes_other_hashes_in_dynamo(dynamo_bin, both, tmp_path) 
         assert device_tokens(lambda path, body: call(ours, path, body), engine_hashes) == 4 * BS
         theirs, mine = tiers(dyn, ours, 1)
         assert theirs["gpu"] == mine["gpu"] == 4 * BS
+    finally:
+        engine.close()
+
+
+def test_query_response_shapes(both, tmp_path) -> None:
+    """The ``/query`` answers of both for one engine holding 2 device, 5 host and 12 disk
+    blocks (disk in the form Dynamo indexes). Same ``scores`` and ``longest_matched``;
+    the per-tier breakdown sits elsewhere: Dynamo puts ``gpu``/``cpu``/``disk`` on the
+    instance and ``dp`` maps each rank to its device tokens, ours puts the tiers (with
+    ``shared``, ``weighted``, ``state``) under ``dp`` per rank, so ``dp`` holds numbers in
+    one and objects in the other. Dynamo 1.6.1 sends no ``tree_sizes`` (ours keeps the
+    field of its older answers) and an empty ``frequencies``."""
+    dyn, ours = both
+    engine = Engine(dyn, ours, 1, tmp_path)
+    try:
+        engine.connect(dyn, ours)
+        disk = [msgspec.structs.replace(e, ownership=None) for e in engine.events("DISK", 12)]
+        publish_and_settle(dyn, ours, engine, [engine.device(2), engine.events("CPU", 5), disk])
+        body = {"token_ids": TOKENS, "model_name": MODEL}
+        (_, theirs), (_, mine) = dyn.call("/query", body), call(ours, "/query", body)
+        assert theirs["scores"] == mine["scores"] == {"1": {"0": 2 * BS}}
+        assert set(theirs) == {"scores", "frequencies", "instances"} and theirs["frequencies"] == []
+        assert {"scores", "frequencies", "tree_sizes", "instances"} <= set(mine)
+        assert theirs["instances"] == {
+            "1": {
+                "longest_matched": 12 * BS,
+                "gpu": 2 * BS,
+                "cpu": 5 * BS,
+                "disk": 12 * BS,
+                "dp": {"0": 2 * BS},
+            }
+        }
+        entry = mine["instances"]["1"]
+        assert set(entry) == {"longest_matched", "dp"} and entry["longest_matched"] == 12 * BS
+        rank = entry["dp"]["0"]
+        assert {k: rank[k] for k in ("gpu", "cpu", "disk", "shared")} == {
+            "gpu": 2 * BS,
+            "cpu": 5 * BS,
+            "disk": 12 * BS,
+            "shared": 12 * BS,
+        }
+        assert {"weighted", "state"} <= set(rank)
     finally:
         engine.close()
