@@ -197,3 +197,13 @@ def test_flat_samples_for_printing():
     samples.add("lookups", 3, ("0:primary",))
     samples.add("lookups", 2, ("0:primary",))
     assert samples.flat() == {"lookups{0:primary}": 5}
+
+
+def test_the_metrics_package_loads_neither_torch_nor_zmq():
+    from test_imports import imported_top_level_modules
+
+    loaded = imported_top_level_modules(
+        "import kvoffload.metrics as m; m.serve; m.SchedulerSource; m.TransferMeter; m.METRICS"
+    )
+    assert "kvoffload" in loaded and "prometheus_client" in loaded
+    assert not loaded & {"torch", "zmq"}

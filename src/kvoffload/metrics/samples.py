@@ -150,7 +150,12 @@ def read_scheduler(samples: Samples, scheduler: Any, labels: Mapping[str, str]) 
         key = f"scheduler_{name}"
         if key in METRICS:
             samples.add(key, value)
-    for medium, tokens in list(scheduler.tokens_by_source.items()):
+    by_source = scheduler.tokens_by_source
+    try:
+        items = list(by_source.items())
+    except RuntimeError:  # a medium's first load, on the scheduler thread, meanwhile
+        items = list(by_source.items())
+    for medium, tokens in items:
         samples.add("hit_tokens", tokens, (labels.get(medium, UNKNOWN_TIER),))
 
 
