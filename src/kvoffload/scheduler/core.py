@@ -56,6 +56,7 @@ from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
 from kvoffload.manager import LookupResult, OffloadingManager, RequestContext
 from kvoffload.scheduler.events import EventConverter
 from kvoffload.scheduler.reuse import DEFAULT_MEMORY, ReuseFilter
+from kvoffload.scheduler.sources import tokens_by_source
 from kvoffload.scheduler.types import (
     BlockExtraKeys,
     KVGroup,
@@ -76,9 +77,11 @@ class SchedulerStats(Counters):
     blocks moved, failures."""
 
     tokens_loaded: int = 0
+    loads_planned: int = 0  # load jobs handed out (one per request and step it loads in)
     blocks_loaded: int = 0
     blocks_stored: int = 0
     failed_loads: int = 0
+    failed_load_tokens: int = 0  # tokens of failed loads: the engine recomputes them
     failed_stores: int = 0
     failed_tier_transfers: int = 0  # write-through or promotion copies between tiers
     skipped_stores: int = 0  # blocks held back by the reuse filter (store_threshold)
@@ -112,6 +115,7 @@ class _RequestState:
     inserted: set[OffloadKey] = field(default_factory=set)  # its completed stores' keys
     reused: set[OffloadKey] = field(default_factory=set)  # its completed loads' keys
     announced: bool = True  # on_new_request said, on_request_finished not yet
+    load_sources: dict[str, int] = field(default_factory=dict)  # its last load's tokens per medium
 
 
 class OffloadingScheduler:
@@ -165,6 +169,7 @@ class OffloadingScheduler:
         self._freeable: set[str] = set()
         self._reuse = ReuseFilter(store_threshold, store_threshold_memory)
         self.stats = SchedulerStats()
+        self.tokens_by_source: dict[str, int] = {}  # tokens_loaded per source medium (sources.py)
 
     # -- matching ----------------------------------------------------------------------
 
@@ -230,6 +235,7 @@ class OffloadingScheduler:
         device_ids: list[int] = []
         sizes: list[int] = []
         indices: list[int] = []
+        ranges: list[tuple[int, int, OffloadKey]] = []
         f = self.blocks_per_offload_block
         for g, tokens in enumerate(self._tokens):
             block_size = self.groups[g].block_size
@@ -237,7 +243,10 @@ class OffloadingScheduler:
             first_device = self._first_present(
                 state.block_ids[g], num_computed_tokens // block_size, last * f
             )
-            keys += self._request_keys(state, hashes, g, first_device // f, last)
+            group_keys = self._request_keys(state, hashes, g, first_device // f, last)
+            first = first_device // f
+            ranges += [(j * tokens, (j + 1) * tokens, key) for j, key in enumerate(group_keys, first)]
+            keys += group_keys
             state.loaded_blocks[g] = max(state.loaded_blocks[g], last)
             ids = state.block_ids[g][first_device : last * f]
             device_ids += ids
@@ -245,6 +254,12 @@ class OffloadingScheduler:
             indices.append(first_device)
         host_spec = self.manager.prepare_load(keys)
         self.stats.tokens_loaded += num_external_tokens
+        self.stats.loads_planned += 1
+        source = self.manager.load_source
+        spans = ((a, b, source(k)) for a, b, k in ranges)
+        state.load_sources = tokens_by_source(spans, num_computed_tokens, end_tokens)
+        for medium, count in state.load_sources.items():
+            self.tokens_by_source[medium] = self.tokens_by_source.get(medium, 0) + count
         job = self._new_job(req_id, False, keys)
         self._jobs[job].tokens = num_external_tokens
         self._pending_loads.append(
@@ -366,6 +381,7 @@ class OffloadingScheduler:
                         state.reused.update(job.keys)
                 else:
                     self.stats.failed_loads += 1
+                    self.stats.failed_load_tokens += job.tokens
                     if state is not None:
                         state.load_failed = True
             if state is not None:
@@ -387,6 +403,9 @@ class OffloadingScheduler:
             job = self._jobs.pop(load.job_id)
             self.manager.complete_load(job.keys)
             self.stats.tokens_loaded -= job.tokens
+            self.stats.loads_planned -= 1
+            for medium, count in state.load_sources.items():
+                self.tokens_by_source[medium] -= count
             state.jobs.discard(load.job_id)
         if not state.jobs:
             del self._requests[req_id]
@@ -395,6 +414,12 @@ class OffloadingScheduler:
         state.finished = True
         self._hold[req_id] = sorted(state.jobs)
         return True
+
+    def load_sources(self, req_id: str) -> dict[str, int]:
+        """The tokens of the request's last planned load per medium they came from
+        (``kvoffload.scheduler.sources``); empty for a request that loaded nothing."""
+        state = self._requests.get(req_id)
+        return dict(state.load_sources) if state is not None else {}
 
     def take_freeable(self) -> set[str]:
         """Finished requests whose held device blocks may now be freed."""
