@@ -232,3 +232,42 @@ def test_tokens_promoted_from_disk_count_as_disk_in_vllm_and_per_tier(model, tmp
         ours.shutdown()
         vllms.shutdown()
         close_llm(llm)
+
+
+def test_a_failed_load_is_counted_as_recomputed_and_not_as_served(model):
+    import prometheus_client
+
+    from kvoffload import metrics
+
+    first, second = word_text(21, PROMPT), word_text(22, PROMPT)
+    block_bytes = kv_block_bytes(model)
+    extra = {"cpu_bytes_to_use": 400 * block_bytes, "fault_injection": {"fail_loads": [0]}}
+    llm = make_llm(model, kvoffload=extra)
+    ours = metrics.serve(0)
+    vllms, _ = prometheus_client.start_http_server(0, addr="127.0.0.1")
+    try:
+        generate(llm, [first])
+        generate(llm, [second])
+        settle(llm)
+        assert llm.reset_prefix_cache()
+        generate(llm, [first])  # its load fails (injected): the engine recomputes it
+        settle(llm)
+        generate(llm, [second])  # served
+        settle(llm)
+        got = scrape(ours.server_port)
+        load = {"tier": "0:primary", "direction": "load"}
+        assert value(got, "kvoffload_transfer_jobs_total", **load, outcome="failed") == 1
+        assert value(got, "kvoffload_transfer_jobs_total", **load, outcome="ok") == 1
+        assert value(got, "kvoffload_scheduler_failed_loads_total") == 1
+        assert value(got, "kvoffload_scheduler_failed_load_tokens_total") == OFFLOADED
+        # hit tokens count every load handed out, as vLLM counts cached tokens at admission
+        assert value(got, "kvoffload_hit_tokens_total", tier="0:primary") == 2 * OFFLOADED
+        assert value(got, "kvoffload_transfer_blocks_total", **load) == BLOCKS  # the good load only
+        assert value(got, "vllm:kv_offload_load_bytes_total") == BLOCKS * block_bytes
+        seen = scrape(vllms.server_port)
+        assert value(seen, "vllm:kvoffload_scheduler_failed_load_tokens_total") == OFFLOADED
+        assert value(seen, "vllm:kvoffload_transfer_jobs_total", **load, outcome="failed") == 1
+    finally:
+        ours.shutdown()
+        vllms.shutdown()
+        close_llm(llm)

@@ -79,8 +79,8 @@ _DEFS = [
     # -- tiers (scheduler side, from each tier's stats) ------------------------------------
     Metric("lookups", COUNTER, "Block lookups answered HIT or MISS", (TIER,)),
     Metric("lookup_hits", COUNTER, "Block lookups answered HIT", (TIER,)),
-    Metric("hit_tokens", COUNTER, "Tokens loaded into the device, by the tier they were found in",
-           (TIER,)),
+    Metric("hit_tokens", COUNTER, "Tokens of loads handed to the engine, by the tier they were found in "
+           "(failed loads included, as in scheduler_failed_load_tokens)", (TIER,)),
     Metric("evictions", COUNTER, "Blocks evicted", (TIER,)),
     Metric("blocks", GAUGE, "Blocks held, by state (in_flight: being written, pinned: being read, idle)",
            (TIER, STATE)),
