@@ -271,3 +271,12 @@ def test_a_failed_load_is_counted_as_recomputed_and_not_as_served(model):
         ours.shutdown()
         vllms.shutdown()
         close_llm(llm)
+
+
+def test_cache_hit_sources_map_media_to_vllm_sources():
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from kvoffload.integrations.vllm.stats import cache_hit_sources
+
+    got = cache_hit_sources({"CPU": 64, "DISK": 32, "REMOTE": 16, "": 8, "SHELF": 0})
+    assert got == {CacheHitSource.HOST: 64, CacheHitSource.DISK: 32, CacheHitSource.EXTERNAL_UNSPECIFIED: 24}
