@@ -18,13 +18,12 @@ What Dynamo 1.6.1 does with them (measured here, pinned by the tests):
   encoding leaves the field out when it is ``None``), whatever its medium, and every
   event with ``locality="REMOTE"``, whatever its ownership. The stream is not broken:
   later events on it are indexed, the listener stays ``active``.
-* kvoffload announces the disk tier as ``STORAGE``/``LOCAL``/``ownership="fs"`` and the
-  shared tier as ``STORAGE``/``REMOTE``/``ownership="redis"``: Dynamo accepts both without
-  an error and indexes neither. vLLM 0.32's own ``fs`` tier sends ``STORAGE``/``LOCAL``
-  with no ownership, which Dynamo indexes as its disk tier; the same disk-tier events of
-  kvoffload with ``ownership`` removed are indexed as disk and agree with our index
-  block for block. The shared tier stays dropped without ownership: Dynamo has no index
-  for shared (``REMOTE``) blocks yet.
+* kvoffload announces the disk tier as ``STORAGE``/``LOCAL`` with no ownership, as vLLM
+  0.32's own ``fs`` tier does: Dynamo indexes them as its disk tier and agrees with our
+  index block for block (with ``ownership="fs"``, which kvoffload sent before, Dynamo
+  dropped them all). The shared tier is ``STORAGE``/``REMOTE``/``ownership="redis"``:
+  Dynamo accepts it on the stream but indexes it neither with its ownership nor without
+  (it has no index for shared, ``REMOTE``, blocks yet); ours counts it as ``shared``.
 
 * Its ``/query_by_hash`` takes other hashes than ours under the same field name
   (``block_hashes``): its own hash of each block's tokens, not the engine's block hashes.
@@ -33,10 +32,6 @@ What Dynamo 1.6.1 does with them (measured here, pinned by the tests):
   ``dp: {rank: device tokens}``; ours has ``dp: {rank: {gpu, cpu, disk, shared, ...}}``),
   and no ``tree_sizes``.
 
-If kvoffload stops putting ``ownership`` on its disk-tier events,
-``test_disk_tier_events_of_kvoffload_are_dropped_by_dynamo`` must be changed to assert
-that Dynamo indexes them as its disk tier (as ``test_disk_tier_events_without_ownership_agree``
-already does for the same events).
 """
 
 from __future__ import annotations
@@ -284,50 +279,28 @@ def test_how_dynamo_maps_each_wire_form_to_a_tier(both, tmp_path) -> None:
             engine.close()
 
 
-def test_disk_tier_events_of_kvoffload_are_dropped_by_dynamo(both, tmp_path) -> None:
-    """kvoffload's disk-tier events (``STORAGE``/``LOCAL``/``fs``), made by its converter:
-    Dynamo accepts the stream (the marker after them is indexed, the listener stays
-    active) but indexes none of them, because of ``ownership``; ours counts them as the
-    disk tier. 2 blocks on the device, 5 in the CPU tier, 12 on disk: ours answers gpu 2,
-    cpu 5, disk 12 blocks; Dynamo gpu 2, cpu 5, disk 5."""
+def test_disk_tier_events_of_kvoffload_are_indexed_by_dynamo_as_disk(both, tmp_path) -> None:
+    """kvoffload's disk-tier events (``STORAGE``/``LOCAL``, no ownership), made by its
+    converter: Dynamo indexes them as its disk tier, and both indexes agree, also after
+    the disk tier evicts a block (``BlockRemoved``, same form). 2 blocks on the device, 5
+    in the CPU tier, 12 on disk."""
     dyn, ours = both
     engine = Engine(dyn, ours, 1, tmp_path)
     try:
         engine.connect(dyn, ours)
         disk = engine.events("DISK", 12)
-        assert {(e.medium, e.locality, e.ownership) for e in disk} == {("STORAGE", "LOCAL", "fs")}
+        assert {(e.medium, e.locality, e.ownership) for e in disk} == {("STORAGE", "LOCAL", None)}
         assert all(e.token_ids and e.block_size == BS for e in disk)  # self-describing
-        publish_and_settle(dyn, ours, engine, [engine.device(2), engine.events("CPU", 5), disk])
-        theirs, mine = tiers(dyn, ours, 1)
-        assert mine == {"gpu": 2 * BS, "cpu": 5 * BS, "disk": 12 * BS, "shared": 12 * BS}
-        assert theirs == {"gpu": 2 * BS, "cpu": 5 * BS, "disk": 5 * BS}
-        assert dynamo_tiers_held(dyn, 1) == {"device", "host_pinned"}
-        assert listener_states(dyn) == {1: "active"}
-    finally:
-        engine.close()
-
-
-def test_disk_tier_events_without_ownership_agree(both, tmp_path) -> None:
-    """The same disk-tier events with ``ownership`` removed (vLLM 0.32's own ``fs`` tier
-    form): Dynamo indexes them as its disk tier and both indexes agree, also after the
-    disk tier evicts a block (``BlockRemoved``, same form)."""
-    dyn, ours = both
-    engine = Engine(dyn, ours, 1, tmp_path)
-
-    def plain(events: list) -> list:
-        return [msgspec.structs.replace(e, ownership=None) for e in events]
-
-    try:
-        engine.connect(dyn, ours)
-        batches = [engine.device(2), engine.events("CPU", 5), plain(engine.events("DISK", 12))]
+        batches = [engine.device(2), engine.events("CPU", 5), disk]
         publish_and_settle(dyn, ours, engine, batches)
         theirs, mine = tiers(dyn, ours, 1)
         assert theirs == {"gpu": 2 * BS, "cpu": 5 * BS, "disk": 12 * BS}
         assert mine == {"gpu": 2 * BS, "cpu": 5 * BS, "disk": 12 * BS, "shared": 12 * BS}
         assert dynamo_tiers_held(dyn, 1) == {"device", "host_pinned", "disk"}
+        assert listener_states(dyn) == {1: "active"}
         # the disk tier drops block 8: the disk-tier prefix ends there
-        removed = plain(engine.events_for([engine.keys[8]], "DISK", removed=True))
-        assert {(e.medium, e.locality) for e in removed} == {("STORAGE", "LOCAL")}
+        removed = engine.events_for([engine.keys[8]], "DISK", removed=True)
+        assert {(e.medium, e.locality, e.ownership) for e in removed} == {("STORAGE", "LOCAL", None)}
         publish_and_settle(dyn, ours, engine, [removed])
         theirs, mine = tiers(dyn, ours, 1)
         assert theirs == {"gpu": 2 * BS, "cpu": 5 * BS, "disk": 8 * BS}

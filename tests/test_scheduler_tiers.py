@@ -73,7 +73,7 @@ def test_a_failed_promotion_is_a_miss_afterwards():
 
 
 class DiskShelf(Shelf):
-    medium = "DISK"  # the local-disk tier's medium: its wire events say STORAGE, LOCAL, fs
+    medium = "DISK"  # the local-disk tier's medium: its wire events say STORAGE, LOCAL
 
 
 def test_secondary_tier_events_are_self_described_with_vllm_storage_fields():
@@ -87,12 +87,13 @@ def test_secondary_tier_events_are_self_described_with_vllm_storage_fields():
     complete(sched, sched.build_step([]).transfers)
     (disk_stored,) = sched.take_events()
     assert isinstance(disk_stored, BlockStored)
-    assert (disk_stored.medium, disk_stored.locality, disk_stored.ownership) == ("STORAGE", "LOCAL", "fs")
+    assert (disk_stored.medium, disk_stored.locality, disk_stored.ownership) == ("STORAGE", "LOCAL", None)
     # the same self-describing content as the CPU tier's announcement
     assert disk_stored.token_ids == list(range(8)) == cpu_stored.token_ids
     assert disk_stored.block_hashes == cpu_stored.block_hashes and disk_stored.block_size == 4
-    # evicted from the CPU tier, then promoted back: its record went with the CPU copy,
-    # so the promoted block is announced in the placeholder form
+    # evicted from the CPU tier (its record went with the CPU copy), then promoted back:
+    # the request that asked for it says again what it holds, so the promoted block is
+    # announced self-described too (routers that index by tokens, as Dynamo's does, see it)
     run_prefill(sched, Req("b", list(range(50, 59))), [[4, 5, 6]])
     complete(sched, sched.build_step([]).transfers)
     sched.take_events()
@@ -103,7 +104,8 @@ def test_secondary_tier_events_are_self_described_with_vllm_storage_fields():
     (promoted,) = [e for e in events if isinstance(e, BlockStored)]
     assert {e.medium for e in removed} == {"CPU"}  # room made for the promotion
     assert promoted.medium == "CPU" and promoted.block_hashes == cpu_stored.block_hashes
-    assert (promoted.token_ids, promoted.block_size, promoted.parent_block_hash) == ([], 0, None)
+    assert (promoted.token_ids, promoted.block_size) == (list(range(8)), 4)
+    assert promoted.parent_block_hash == cpu_stored.parent_block_hash
 
 
 class RemoteShelf(Shelf):

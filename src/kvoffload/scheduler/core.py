@@ -198,7 +198,7 @@ class OffloadingScheduler:
             end = min(self._num_full(hashes, g), -(-limit // tokens))
             hits = start
             waiting = False
-            for key in self._request_keys(state, hashes, g, start, end):
+            for j, key in enumerate(self._request_keys(state, hashes, g, start, end), start):
                 result = self.manager.lookup(key)
                 if result is LookupResult.HIT:
                     if not waiting:
@@ -207,8 +207,11 @@ class OffloadingScheduler:
                 if result is LookupResult.MISS:
                     break
                 # PENDING or RETRY: ask again next step. Looking on lets a tiered manager
-                # promote the rest of the prefix in the same batch.
+                # promote the rest of the prefix in the same batch. A block being promoted
+                # is announced by the CPU tier when it lands: say what it holds.
                 waiting = True
+                if result is LookupResult.PENDING and not self._events.knows(key):
+                    self._remember(state, hashes, g, j, key)
             if waiting:
                 return None
             hit_tokens = min(hit_tokens, hits * tokens)
@@ -298,7 +301,6 @@ class OffloadingScheduler:
 
     def _plan_store(self, req_id: str, state: _RequestState, num_computed_tokens: int) -> TransferJob | None:
         hashes = self._hashes(state.request)
-        tokens_ids = state.request.all_token_ids
         candidates: list[tuple[int, int, OffloadKey]] = []  # (group, offloaded block, key)
         f = self.blocks_per_offload_block
         for g, tokens in enumerate(self._tokens):
@@ -341,12 +343,16 @@ class OffloadingScheduler:
                 indices[g] = j * f
             device_ids += state.block_ids[g][j * f : (j + 1) * f]
             sizes[g] += f
-            tokens = self._tokens[g]
-            parent = self._hash_at(hashes, g, j - 1) if j > 0 else None
-            extra = self._extra_keys(state.request, j * tokens, (j + 1) * tokens)
-            self._events.remember(key, parent, tokens_ids, j * tokens, (j + 1) * tokens, extra)
+            self._remember(state, hashes, g, j, key)
         job = self._new_job(req_id, True, list(out.keys_to_store))
         return TransferJob(job, req_id, True, DeviceLoadStoreSpec(device_ids, sizes, indices), out.store_spec)
+
+    def _remember(self, state: _RequestState, hashes, g: int, j: int, key: OffloadKey) -> None:
+        """What offloaded block ``j`` of group ``g`` holds, for its ``BlockStored``."""
+        tokens = self._tokens[g]
+        parent = self._hash_at(hashes, g, j - 1) if j > 0 else None
+        extra = self._extra_keys(state.request, j * tokens, (j + 1) * tokens)
+        self._events.remember(key, parent, state.request.all_token_ids, j * tokens, (j + 1) * tokens, extra)
 
     # -- completions ---------------------------------------------------------------------
 

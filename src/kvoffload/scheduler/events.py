@@ -23,7 +23,7 @@ it is written through to (which copy it while the primary holds it pinned) annou
 self-described too; it is dropped when the primary drops the key. A key announced with no
 record (e.g. a block promoted from below after a restart) gets the placeholder form.
 Secondary media go on the wire as vLLM 0.32 names them (``WIRE_TIERS``): the local-disk
-tier is ``medium="STORAGE"``, ``locality="LOCAL"``, ``ownership="fs"``; the shared Redis tier
+tier is ``medium="STORAGE"``, ``locality="LOCAL"`` (no ownership); the shared Redis tier
 ``medium="STORAGE"``, ``locality="REMOTE"``, ``ownership="redis"``.
 """
 
@@ -41,7 +41,9 @@ EVENT_MODES = ("self_describing", "placeholder")
 
 # tier medium -> (wire medium, locality, ownership); media not listed go out unchanged
 WIRE_TIERS: dict[str, tuple[str, str | None, str | None]] = {
-    "DISK": ("STORAGE", "LOCAL", "fs"),
+    # no ownership: as vLLM 0.32's own fs tier sends them (and as Dynamo's indexer, which
+    # drops events that carry one, indexes them: tests/test_dynamo_tiers.py)
+    "DISK": ("STORAGE", "LOCAL", None),
     "REMOTE": ("STORAGE", "REMOTE", "redis"),
 }
 
@@ -85,6 +87,9 @@ class EventConverter:
         tokens are ``tokens[start:end]``, a range the engine never rewrites, and
         ``extra_keys`` (tagged, as hashed) the rest of what its hash covers."""
         self._pending[key] = (parent_hash, tokens, start, end, extra_keys)
+
+    def knows(self, key: OffloadKey) -> bool:
+        return key in self._pending
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """Drop records of keys whose store failed (they are never announced)."""
