@@ -3,6 +3,7 @@ loopback; the transfer meter; tokens by source; the load source of promoted bloc
 
 from __future__ import annotations
 
+import gc
 import urllib.request
 
 import pytest
@@ -35,6 +36,13 @@ def value(values: dict, name: str, **labels) -> float | None:
 
 @pytest.fixture
 def server():
+    # A scrape reads every registered source: sources other test modules left alive (not
+    # yet collected) must not add to what these tests count.
+    gc.collect()
+    from kvoffload.metrics import exporter
+
+    for source in exporter.registered():
+        exporter.unregister(source)
     server = metrics.serve(0)
     yield server
     server.shutdown()
