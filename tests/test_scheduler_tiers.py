@@ -132,3 +132,11 @@ def test_shared_tier_events_say_storage_remote_redis_and_the_index_reads_them_as
     )
     assert remote_stored.block_hashes == cpu_stored.block_hashes and remote_stored.token_ids == list(range(8))
     assert tier_of(remote_stored.medium, remote_stored.locality) == SHARED
+
+
+def test_a_store_larger_than_the_room_left_keeps_its_leading_blocks():
+    primary = CPUOffloadingManager(3, "lru", enable_events=True)
+    sched = OffloadingScheduler(primary, [KVGroup(4)], hash_block_size=4)
+    run_prefill(sched, Req("a", list(range(21))), [[1, 2, 3, 4, 5, 6]])  # five full blocks, room for 3
+    assert sched.stats.blocks_stored == 2 and sched.stats.declined_stores == 3  # halved: 5 -> 2
+    assert sched.match(Req("a2", list(range(21))), 0) == 8  # the leading two are loadable

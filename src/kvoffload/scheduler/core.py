@@ -325,13 +325,12 @@ class OffloadingScheduler:
             candidates = allowed
         if not candidates:
             return None
-        out = self.manager.prepare_store([key for _, _, key in candidates])
-        if out is None:
-            # Atomic refusal: nothing is stored and the engine goes on; not offered again.
-            self.stats.declined_stores += len(candidates)
+        out, kept = self._reserve(candidates)
+        # Blocks the tier had no room for are not stored and not offered again.
+        self.stats.declined_stores += len(candidates) - len(kept)
+        if out is None or not out.keys_to_store:
             return None
-        if not out.keys_to_store:
-            return None
+        candidates = kept
         chosen = set(out.keys_to_store)
         device_ids: list[int] = []
         sizes = [0] * len(self.groups)
@@ -346,6 +345,27 @@ class OffloadingScheduler:
             self._remember(state, hashes, g, j, key)
         job = self._new_job(req_id, True, list(out.keys_to_store))
         return TransferJob(job, req_id, True, DeviceLoadStoreSpec(device_ids, sizes, indices), out.store_spec)
+
+    def _reserve(self, candidates: list[tuple[int, int, OffloadKey]]):
+        """``prepare_store`` of the candidates, or of the leading part by token position
+        that the tier can make room for (it refuses a batch whole: halve until it fits,
+        as a prefix is what later requests can load). Returns ``(output or None, the
+        candidates asked for)``, in the given (group-major) order."""
+        out = self.manager.prepare_store([key for _, _, key in candidates])
+        if out is not None:
+            return out, candidates
+        tokens = self._tokens
+        by_position = sorted(
+            range(len(candidates)), key=lambda i: (candidates[i][1] * tokens[candidates[i][0]], i)
+        )
+        count = len(candidates) // 2
+        while count:
+            kept = [candidates[i] for i in sorted(by_position[:count])]
+            out = self.manager.prepare_store([key for _, _, key in kept])
+            if out is not None:
+                return out, kept
+            count //= 2
+        return None, []
 
     def _remember(self, state: _RequestState, hashes, g: int, j: int, key: OffloadKey) -> None:
         """What offloaded block ``j`` of group ``g`` holds, for its ``BlockStored``."""
