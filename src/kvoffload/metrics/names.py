@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from kvoffload.scheduler.core import SchedulerStats
+from kvoffload.scheduler.state import SchedulerStats
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 

@@ -6,7 +6,7 @@ from kvoffload._lazy import lazy_exports
 
 _EXPORTS = {
     "OffloadingScheduler": "kvoffload.scheduler.core",
-    "SchedulerStats": "kvoffload.scheduler.core",
+    "SchedulerStats": "kvoffload.scheduler.state",
     "EVENT_MODES": "kvoffload.scheduler.events",
     "EventConverter": "kvoffload.scheduler.events",
     "KVGroup": "kvoffload.scheduler.types",

@@ -47,16 +47,16 @@ extra keys (``block_extra_keys``); those also fill ``BlockStored.extra_keys``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.counters import Counters
 from kvoffload.events.types import KVEvent
-from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
+from kvoffload.keys import BlockHasher, OffloadKey
 from kvoffload.manager import LookupResult, OffloadingManager, RequestContext
+from kvoffload.scheduler.blocks import BlockKeys
 from kvoffload.scheduler.events import EventConverter
 from kvoffload.scheduler.reuse import DEFAULT_MEMORY, ReuseFilter
 from kvoffload.scheduler.sources import tokens_by_source
+from kvoffload.scheduler.state import Job, RequestState, SchedulerStats
 from kvoffload.scheduler.types import (
     BlockExtraKeys,
     KVGroup,
@@ -68,54 +68,6 @@ from kvoffload.scheduler.types import (
 )
 from kvoffload.specs import DeviceLoadStoreSpec
 from kvoffload.validation import positive_int
-
-
-@dataclass
-class SchedulerStats(Counters):
-    """Counters since creation: tokens handed to the engine from the tier (loads sent to
-    the worker, failed ones included; a load cancelled before it was sent is not counted),
-    blocks moved, failures."""
-
-    tokens_loaded: int = 0
-    loads_planned: int = 0  # load jobs handed out (one per request and step it loads in)
-    blocks_loaded: int = 0
-    blocks_stored: int = 0
-    failed_loads: int = 0
-    failed_load_tokens: int = 0  # tokens of failed loads: the engine recomputes them
-    failed_stores: int = 0
-    failed_tier_transfers: int = 0  # write-through or promotion copies between tiers
-    skipped_stores: int = 0  # blocks held back by the reuse filter (store_threshold)
-    declined_stores: int = 0  # blocks the tier had no room for (all of its slots in use)
-
-
-@dataclass
-class _Job:
-    req_id: str  # "" for a transfer between tiers
-    is_store: bool
-    keys: list[OffloadKey]
-    token: int | None = None  # the manager's TierTransfer token
-    tokens: int = 0  # a load: the tokens it hands to the engine
-
-
-@dataclass
-class _RequestState:
-    request: RequestView
-    context: RequestContext
-    block_ids: list[list[int]]
-    stored_blocks: list[int]  # per group: offloaded blocks already stored or skipped
-    touched_blocks: list[int]  # per group: offloaded blocks its match touched
-    jobs: set[int] = field(default_factory=set)
-    touched: bool = False
-    finished: bool = False
-    matched_from: int = 0  # the engine-cached tokens at the last match
-    load_failed: bool = False  # a load for it failed: the engine recomputes, never retry
-    computed_tokens: int = 0  # the most tokens whose KV it had
-    loaded_blocks: list[int] = field(default_factory=list)  # per group: blocks a load reached
-    keys: list[list[OffloadKey]] = field(default_factory=list)  # per group, from block 0
-    inserted: set[OffloadKey] = field(default_factory=set)  # its completed stores' keys
-    reused: set[OffloadKey] = field(default_factory=set)  # its completed loads' keys
-    announced: bool = True  # on_new_request said, on_request_finished not yet
-    load_sources: dict[str, int] = field(default_factory=dict)  # its last load's tokens per medium
 
 
 class OffloadingScheduler:
@@ -155,12 +107,14 @@ class OffloadingScheduler:
         self.blocks_per_offload_block = blocks_per_offload_block
         self.hash_block_size = hash_block_size
         self._tokens = [group.block_size * blocks_per_offload_block for group in groups]
-        self._hasher = hasher or BlockHasher()
         self._extra_keys = block_extra_keys or view_extra_keys
+        self._blocks = BlockKeys(
+            self._tokens, hash_block_size, hasher or BlockHasher(), self._extra_keys, null_block_id
+        )
         self._events = EventConverter(groups, blocks_per_offload_block, kv_events)
         self._wire_events: list[KVEvent] = []
-        self._requests: dict[str, _RequestState] = {}
-        self._jobs: dict[int, _Job] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._jobs: dict[int, Job] = {}
         self._stale_jobs: set[int] = set()  # in flight at a reset: outcome not applied
         self._next_job_id = 0
         self._pending_loads: list[TransferJob] = []
@@ -182,11 +136,13 @@ class OffloadingScheduler:
         state.matched_from = num_computed_tokens
         if state.load_failed:
             return 0
-        hashes = self._hashes(request)
+        hashes = self._blocks.hashes(request)
         if not state.touched:
             state.touched = True
             for g in range(len(self.groups)):
-                keys = self._request_keys(state, hashes, g, 0, self._num_full(hashes, g))
+                keys = self._blocks.request_keys(
+                    state.keys[g], hashes, g, 0, self._blocks.num_full(hashes, g)
+                )
                 state.touched_blocks[g] = len(keys)
                 self._reuse.count(keys)
                 self.manager.touch(keys)
@@ -195,10 +151,10 @@ class OffloadingScheduler:
         hit_tokens = limit
         for g, tokens in enumerate(self._tokens):
             start = num_computed_tokens // tokens
-            end = min(self._num_full(hashes, g), -(-limit // tokens))
+            end = min(self._blocks.num_full(hashes, g), -(-limit // tokens))
             hits = start
             waiting = False
-            for j, key in enumerate(self._request_keys(state, hashes, g, start, end), start):
+            for j, key in enumerate(self._blocks.request_keys(state.keys[g], hashes, g, start, end), start):
                 result = self.manager.lookup(key)
                 if result is LookupResult.HIT:
                     if not waiting:
@@ -233,7 +189,7 @@ class OffloadingScheduler:
         state.computed_tokens = max(state.computed_tokens, end_tokens)
         if num_external_tokens <= 0:
             return
-        hashes = self._hashes(state.request)
+        hashes = self._blocks.hashes(state.request)
         keys: list[OffloadKey] = []
         device_ids: list[int] = []
         sizes: list[int] = []
@@ -243,10 +199,10 @@ class OffloadingScheduler:
         for g, tokens in enumerate(self._tokens):
             block_size = self.groups[g].block_size
             last = -(-end_tokens // tokens)
-            first_device = self._first_present(
+            first_device = self._blocks.first_present(
                 state.block_ids[g], num_computed_tokens // block_size, last * f
             )
-            group_keys = self._request_keys(state, hashes, g, first_device // f, last)
+            group_keys = self._blocks.request_keys(state.keys[g], hashes, g, first_device // f, last)
             first = first_device // f
             ranges += [(j * tokens, (j + 1) * tokens, key) for j, key in enumerate(group_keys, first)]
             keys += group_keys
@@ -299,17 +255,19 @@ class OffloadingScheduler:
         plan.flush, self._flush = self._flush, {}
         return plan
 
-    def _plan_store(self, req_id: str, state: _RequestState, num_computed_tokens: int) -> TransferJob | None:
-        hashes = self._hashes(state.request)
+    def _plan_store(self, req_id: str, state: RequestState, num_computed_tokens: int) -> TransferJob | None:
+        hashes = self._blocks.hashes(state.request)
         candidates: list[tuple[int, int, OffloadKey]] = []  # (group, offloaded block, key)
         f = self.blocks_per_offload_block
         for g, tokens in enumerate(self._tokens):
             start = state.stored_blocks[g]
-            end = min(num_computed_tokens // tokens, self._num_full(hashes, g), len(state.block_ids[g]) // f)
+            end = min(
+                num_computed_tokens // tokens, self._blocks.num_full(hashes, g), len(state.block_ids[g]) // f
+            )
             if end <= start:
                 continue
             device = state.block_ids[g]
-            keys = self._request_keys(state, hashes, g, start, end)
+            keys = self._blocks.request_keys(state.keys[g], hashes, g, start, end)
             if self._reuse.active:
                 # blocks its match did not touch (it generated them) are asked for now, once
                 self._reuse.count(keys[max(0, state.touched_blocks[g] - start) :])
@@ -367,10 +325,10 @@ class OffloadingScheduler:
             count //= 2
         return None, []
 
-    def _remember(self, state: _RequestState, hashes, g: int, j: int, key: OffloadKey) -> None:
+    def _remember(self, state: RequestState, hashes, g: int, j: int, key: OffloadKey) -> None:
         """What offloaded block ``j`` of group ``g`` holds, for its ``BlockStored``."""
         tokens = self._tokens[g]
-        parent = self._hash_at(hashes, g, j - 1) if j > 0 else None
+        parent = self._blocks.hash_at(hashes, g, j - 1) if j > 0 else None
         extra = self._extra_keys(state.request, j * tokens, (j + 1) * tokens)
         self._events.remember(key, parent, state.request.all_token_ids, j * tokens, (j + 1) * tokens, extra)
 
@@ -497,72 +455,40 @@ class OffloadingScheduler:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _state(self, request: RequestView, hints: Mapping[str, Any] | None) -> _RequestState:
+    def _state(self, request: RequestView, hints: Mapping[str, Any] | None) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             n = len(self.groups)
             context = RequestContext(request.request_id, hints or {}, tuple(self._tokens))
-            state = _RequestState(request, context, [[] for _ in range(n)], [0] * n, [0] * n)
+            state = RequestState(request, context, [[] for _ in range(n)], [0] * n, [0] * n)
             state.keys, state.loaded_blocks = [[] for _ in range(n)], [0] * n
             self._requests[request.request_id] = state
             self.manager.on_new_request(context)
         return state
 
-    def _finish(self, state: _RequestState) -> None:
+    def _finish(self, state: RequestState) -> None:
         """Tell the manager the request ended (once per ``on_new_request``)."""
         if not state.announced:
             return
         state.announced = False
-        hashes = self._hashes(state.request)
+        hashes = self._blocks.hashes(state.request)
         key_groups = []
         for g, tokens in enumerate(self._tokens):
             blocks = max(state.computed_tokens // tokens, state.loaded_blocks[g])
-            key_groups.append(self._request_keys(state, hashes, g, 0, min(self._num_full(hashes, g), blocks)))
+            key_groups.append(
+                self._blocks.request_keys(
+                    state.keys[g], hashes, g, 0, min(self._blocks.num_full(hashes, g), blocks)
+                )
+            )
         # the sets are the request's own: it is forgotten (or they are replaced) after this
         self.manager.on_request_finished(
             state.context, key_groups, state.inserted, state.reused - state.inserted
         )
 
-    def _hashes(self, request: RequestView) -> Sequence[bytes]:
-        hashes = request.block_hashes
-        if hashes is None:  # an engine that does not hash: hash the tokens ourselves
-            hashes = self._hasher.hash_chain(
-                request.all_token_ids, self.hash_block_size, lambda s, e: self._extra_keys(request, s, e)
-            )
-        return hashes
-
-    def _first_present(self, device_ids: Sequence[int], start: int, end: int) -> int:
-        """The first index in ``[start, end)`` whose device block is not the null block.
-
-        Engines give sliding-window groups the null block for positions outside the
-        window: those are neither stored nor loaded."""
-        while start < end and start < len(device_ids) and device_ids[start] == self.null_block_id:
-            start += 1
-        return start
-
-    def _num_full(self, hashes: Sequence[bytes], g: int) -> int:
-        return len(hashes) * self.hash_block_size // self._tokens[g]
-
-    def _hash_at(self, hashes: Sequence[bytes], g: int, j: int) -> bytes:
-        return hashes[(j + 1) * self._tokens[g] // self.hash_block_size - 1]
-
-    def _request_keys(
-        self, state: _RequestState, hashes: Sequence[bytes], g: int, start: int, end: int
-    ) -> list[OffloadKey]:
-        """``_keys`` of the request, made once each (a request's hashes only ever grow)."""
-        known = state.keys[g]
-        if len(known) < end:
-            known += self._keys(hashes, g, len(known), end)
-        return known[start:end]
-
-    def _keys(self, hashes: Sequence[bytes], g: int, start: int, end: int) -> list[OffloadKey]:
-        step = self._tokens[g] // self.hash_block_size
-        return [make_offload_key(hashes[(j + 1) * step - 1], g) for j in range(start, end)]
-
     def _new_job(self, req_id: str, is_store: bool, keys: list[OffloadKey], token: int | None = None) -> int:
         job_id = self._next_job_id
         self._next_job_id += 1
-        self._jobs[job_id] = _Job(req_id, is_store, keys, token)
+        self._jobs[job_id] = Job(req_id, is_store, keys, token)
         if req_id:
             self._requests[req_id].jobs.add(job_id)
         return job_id
