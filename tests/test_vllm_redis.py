@@ -4,6 +4,7 @@ mid-run and started again, no exception reaches the engine, outputs stay those o
 recomputation, and the tier stores again after the recovery."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -83,6 +84,7 @@ def test_engine_b_serves_the_prefix_engine_a_computed(model, expected, tmp_path)
 
         b = redis_engine(model, server.url)  # a replica with an empty CPU tier
         try:
+            assert sys.getswitchinterval() <= 0.0002  # lowered by the worker side (switch_interval_s)
             before = scheduler_connector(b).offload_stats().snapshot()
             assert generate(b, first) == (expected[first], OFFLOADED)
             after = scheduler_connector(b).offload_stats()

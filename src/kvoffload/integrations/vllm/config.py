@@ -18,6 +18,12 @@ Keys:
   loads and stores fail (``kvoffload.faults``): ``{"seed": 1, "load_failure_rate": 0.1,
   "store_failure_rate": 0.1, "fail_loads": [...], "fail_stores": [...]}`` (rates in
   [0, 1], positions are 0-based among loads / stores).
+* ``switch_interval_s``: the most seconds kvoffload's I/O threads may wait for the GIL
+  while the engine's Python loop holds it (``sys.setswitchinterval``, lowered to this at
+  start-up when higher; default 0.0002; 0 leaves the interpreter's setting). vLLM's
+  engine loop spins on its scheduler while a request waits for a promotion from a lower
+  tier; at the interpreter's default of 5 ms, every socket or file call of a transfer
+  thread paid that wait (``bench/bench_tier_ttft.py``).
 
 Every error is a ``ValueError`` whose message names the key and the bad value.
 """
@@ -34,6 +40,8 @@ from kvoffload.tiers.factory import TierConfig
 from kvoffload.tiers.secondary import parse_secondary_tiers
 from kvoffload.validation import positive_int
 
+DEFAULT_SWITCH_INTERVAL_S = 0.0002
+
 KNOWN_KEYS = (
     "cpu_bytes_to_use",
     "block_size",
@@ -42,6 +50,7 @@ KNOWN_KEYS = (
     "secondary_tiers",
     "store_threshold",
     "fault_injection",
+    "switch_interval_s",
 )
 
 
@@ -54,6 +63,7 @@ class OffloadConfig:
     kv_events: str
     store_threshold: int = 1
     faults: FaultConfig | None = None  # fault_injection: None = off
+    switch_interval_s: float = DEFAULT_SWITCH_INTERVAL_S
 
 
 def _positive_int(extra: Mapping[str, Any], key: str) -> int:
@@ -97,4 +107,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
     faults = None
     if extra.get("fault_injection") is not None:
         faults = FaultConfig.parse(extra["fault_injection"], "kv_connector_extra_config['fault_injection']")
-    return OffloadConfig(tiers, events, store_threshold, faults)
+    interval = extra.get("switch_interval_s", DEFAULT_SWITCH_INTERVAL_S)
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 0.1:
+        raise ValueError(
+            f"kv_connector_extra_config['switch_interval_s'] must be seconds in [0, 0.1], got {interval!r}"
+        )
+    return OffloadConfig(tiers, events, store_threshold, faults, float(interval))

@@ -13,6 +13,7 @@ finished jobs to the scheduler; device blocks of failed loads go to
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +46,10 @@ class WorkerSide:
         self.metrics = WorkerMetrics()  # every job's outcome, for kvoffload.metrics and vLLM's stats
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        interval = self._config.switch_interval_s
+        if interval and sys.getswitchinterval() > interval:
+            logger.info("kvoffload: switch interval %g s -> %g s", sys.getswitchinterval(), interval)
+            sys.setswitchinterval(interval)
         layout = build_layout(kv_caches, self._kv_cache_config)
         tiers = self._config.tiers
         per_block = host_block_bytes(self._kv_cache_config, tiers.blocks_per_offload_block)

@@ -5,7 +5,14 @@ A standalone server is one node. On a Redis Cluster the names are grouped by the
 that owns their slot (the client's slot map) and each group goes to its node in one
 pipeline, so a dead master fails only its own keys: the others are served. A node whose
 breaker is open is not called (its names fail at once). Failures are returned, not
-raised: ``run`` gives, per name, the reply or a ``NodeDown``.
+raised: ``run`` gives, per name, the reply or a ``NodeDown`` (also for a command the
+server refused, e.g. ``OOM``: the server answered, so the breaker stays closed).
+
+A pipeline is one ``send`` of every packed command and one read of the replies, on a
+connection taken from the client's pool: redis-py's own pipeline sends each large value
+separately, and every send gives up the GIL and waits to take it back; on an engine
+thread that spins on its scheduler loop, that wait (up to the interpreter's switch
+interval, 5 ms) was paid per block.
 
 Thread-safe: the redis-py clients are, and breakers are created under a lock.
 """
@@ -19,7 +26,7 @@ from typing import Any
 from kvoffload.tiers.redis.breaker import CircuitBreaker
 from kvoffload.tiers.redis.client import redact
 
-Add = Callable[[Any, bytes, int], None]  # add(pipeline, name, index)
+Command = Callable[[bytes, int], tuple]  # command(name, index) -> ("SET", name, value, ...)
 
 
 class NodeDown:
@@ -79,8 +86,8 @@ class NodeCalls:
             groups.setdefault(node.name, (node.redis_connection, []))[1].append(i)
         return groups
 
-    def run(self, names: Sequence[bytes], add: Add) -> list[Any]:
-        """Per name, the reply of the command ``add`` queued for it, or a ``NodeDown``."""
+    def run(self, names: Sequence[bytes], command: Command) -> list[Any]:
+        """Per name, the reply to ``command(name, index)``, or a ``NodeDown``."""
         replies: list[Any] = [None] * len(names)
         # A cluster client talks to the cluster when it is made (to map the slots): that
         # has a breaker of its own. A standalone client connects on its first command.
@@ -103,10 +110,7 @@ class NodeCalls:
                     replies[i] = NodeDown(f"node {node} is down (circuit open)")
                 continue
             try:
-                pipe = connection.pipeline(transaction=False)
-                for i in indices:
-                    add(pipe, names[i], i)
-                results = pipe.execute()
+                results = _batch(connection, [command(names[i], i) for i in indices])
             except Exception as exc:  # noqa: BLE001 - network, timeout, server errors
                 breaker.failure(exc)
                 if not self.cluster:
@@ -119,3 +123,27 @@ class NodeCalls:
             for i, result in zip(indices, results):
                 replies[i] = result
         return replies
+
+
+def _batch(client: Any, commands: list[tuple]) -> list[Any]:
+    """Send ``commands`` at once on one connection of ``client``'s pool and read one reply
+    each; a command the server refused gives a ``NodeDown``. Connection errors raise (the
+    connection is dropped)."""
+    from redis.exceptions import ResponseError
+
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command([b"".join(connection.pack_commands(commands))])
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(connection.read_response())
+            except ResponseError as exc:
+                replies.append(NodeDown(f"the server refused: {exc}"))
+        return replies
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)

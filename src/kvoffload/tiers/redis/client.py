@@ -110,6 +110,8 @@ def connect(settings: ServerSettings):
         "socket_connect_timeout": settings.connect_timeout,
         "socket_timeout": settings.timeout,
         "retry": Retry(NoBackoff(), 0),
+        # replies of whole blocks: read them in large pieces (each read gives up the GIL)
+        "socket_read_size": 1 << 20,
     }
     password = settings.password()
     if password is not None:

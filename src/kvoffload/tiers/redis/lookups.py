@@ -123,7 +123,7 @@ class RemoteLookups:
 
     def _exists(self, keys: Sequence[bytes], hit: str | None, miss: str, failed: str | None) -> None:
         self.probes_sent += len(keys)
-        replies = self.calls.run(self._names.names(keys), lambda pipe, name, _: pipe.exists(name))
+        replies = self.calls.run(self._names.names(keys), lambda name, _: ("EXISTS", name))
         verdicts: dict[str | None, list[bytes]] = {hit: [], miss: [], failed: []}
         for key, reply in zip(keys, replies):
             verdicts[failed if isinstance(reply, NodeDown) else hit if reply else miss].append(key)
@@ -132,7 +132,7 @@ class RemoteLookups:
                 self._answers.put(Answer(kind, tuple(found)))
 
     def _unlink(self, keys: Sequence[bytes]) -> None:
-        self.calls.run(self._names.names(keys), lambda pipe, name, _: pipe.unlink(name))
+        self.calls.run(self._names.names(keys), lambda name, _: ("UNLINK", name))
 
     # -- keyspace notifications ----------------------------------------------------------
 

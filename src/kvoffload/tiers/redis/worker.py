@@ -155,13 +155,15 @@ class RedisWorker(OffloadingWorker):
     def _store(self, host_ids: list[int], keys: list[bytes]) -> int:
         digest, ttl, payload = self._names.digest, self._ttl, self._payload
 
-        def add(pipe, name: bytes, i: int) -> None:
-            pipe.set(name, encode(keys[i], payload(host_ids[i]), digest), nx=True, ex=ttl)
+        expiry = () if ttl is None else ("EX", ttl)
 
-        replies = self.calls.run(self._names.names(keys), add)
+        def command(name: bytes, i: int) -> tuple:
+            return ("SET", name, encode(keys[i], payload(host_ids[i]), digest), "NX", *expiry)
+
+        replies = self.calls.run(self._names.names(keys), command)
         down = next((r for r in replies if isinstance(r, NodeDown)), None)
         with self._lock:
-            self._counters.blocks_written += sum(1 for r in replies if r is True)
+            self._counters.blocks_written += sum(1 for r in replies if r == b"OK")
             self._counters.already_present += sum(1 for r in replies if r is None)
         if down is not None:
             raise _JobFailed(f"store failed: {down.reason}")
@@ -171,7 +173,7 @@ class RedisWorker(OffloadingWorker):
 
     def _load(self, host_ids: list[int], keys: list[bytes]) -> int:
         names = self._names.names(keys)
-        values = self.calls.run(names, lambda pipe, name, _: pipe.get(name))
+        values = self.calls.run(names, lambda name, _: ("GET", name))
         digest, size = self._names.digest, self.block_bytes
         corrupt: list[bytes] = []
         failure = None
@@ -198,7 +200,7 @@ class RedisWorker(OffloadingWorker):
         if corrupt:
             with self._lock:
                 self._counters.corrupt_values += len(corrupt)
-            self.calls.run(corrupt, lambda pipe, name, _: pipe.unlink(name))
+            self.calls.run(corrupt, lambda name, _: ("UNLINK", name))
         if failure:
             raise _JobFailed(failure)
         with self._lock:
