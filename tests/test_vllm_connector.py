@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from kvoffload.demo.offline import (  # noqa: E402
+from kvoffload.demo.offline import (
     close_llm,
     host_transfer_engine,
     kv_block_bytes,
@@ -22,6 +22,9 @@ from kvoffload.demo.offline import (  # noqa: E402
     scheduler_connector,
     settle,
     word_text,
+)
+from kvoffload.demo.offline import (  # noqa: E402
+    greedy as generate,
 )
 from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 from kvoffload.events.codec import decode  # noqa: E402
@@ -37,13 +40,6 @@ def prompt(seed: int, n: int = 2000) -> str:
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
-
-
-def generate(llm, text, max_tokens=8):
-    from vllm import SamplingParams
-
-    out = llm.generate([text], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
-    return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest.importorskip("vllm")
 import torch  # noqa: E402
 
-from kvoffload.demo.offline import (  # noqa: E402
+from kvoffload.demo.offline import (
     close_llm,
     make_llm,
     scheduler_connector,
     settle,
     word_text,
+)
+from kvoffload.demo.offline import (  # noqa: E402
+    greedy as generate,
 )
 from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 
@@ -47,13 +50,6 @@ SEEDS = {"bytes": 11, "prefill_only": 12, "chunked": 13, "reset": 14}
 
 def prompt(name: str) -> str:
     return word_text(SEEDS[name], PROMPT)
-
-
-def generate(llm, text, max_tokens=8):
-    from vllm import SamplingParams
-
-    out = llm.generate([text], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
-    return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
 def chunked_llm(model_path):

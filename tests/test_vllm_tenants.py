@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 
-from kvoffload.demo.offline import close_llm, make_llm, scheduler_connector, settle, word_text  # noqa: E402
+from kvoffload.demo.offline import close_llm, greedy, make_llm, scheduler_connector, settle, word_text  # noqa: E402
 from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 from kvoffload.events.types import BlockStored  # noqa: E402
 from test_vllm_connector import Subscriber, drain  # noqa: E402
@@ -26,11 +26,7 @@ OFFLOADED = 62 * 32
 
 
 def generate(llm, text, salt=None):
-    from vllm import SamplingParams
-
-    prompt = {"prompt": text} if salt is None else {"prompt": text, "cache_salt": salt}
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    return list(out.outputs[0].token_ids), out.num_cached_tokens
+    return greedy(llm, {"prompt": text} if salt is None else {"prompt": text, "cache_salt": salt})
 
 
 def loaded(llm) -> int:

@@ -15,13 +15,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
-from kvoffload.demo.offline import (  # noqa: E402
+from kvoffload.demo.offline import (
     close_llm,
     kv_block_bytes,
     make_llm,
     scheduler_connector,
     settle,
     word_text,
+)
+from kvoffload.demo.offline import (  # noqa: E402
+    greedy as generate,
 )
 from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 from shelf_tier import ShelfTierType  # noqa: E402
@@ -30,13 +33,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPT = 2000  # tokens (one character each): 62 full blocks of 32 are offloaded
 OFFLOADED = 62 * 32
-
-
-def generate(llm, text):
-    from vllm import SamplingParams
-
-    out = llm.generate([text], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,15 @@ def worker_connector() -> Any:
     return get_kv_transfer_group()
 
 
+def greedy(llm: Any, prompt: Any, max_tokens: int = 8) -> tuple[list[int], int]:
+    """Greedy output token ids of one prompt (a string or a vLLM prompt dict, e.g. with a
+    ``cache_salt``) and how many of its tokens were served from a cache."""
+    from vllm import SamplingParams
+
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+
 def settle(llm: Any) -> None:
     """Wait until kvoffload's transfers in flight finished, then run one engine step so that
     vLLM hears of it: jobs complete, and the device blocks held for finished requests are
