@@ -10,6 +10,12 @@ Run: .venv/bin/python bench/bench_events.py   (prints markdown tables; about a m
 * burst: 100,000 batches as fast as possible to a deliberately slow subscriber (child
   process, 20 us of "work" per batch). Checks delivered + lost == published, with every
   sequence number delivered at most once and in order.
+* against vLLM: our ``EventEncoder`` (checking hashes, and with ``check_hashes=False``)
+  against vLLM 0.32's ``msgspec.msgpack.Encoder().encode(KVEventBatch)`` on identical
+  content (64 ``BlockStored`` x 16 u64 hashes x 16 tokens; the payloads are asserted
+  byte-identical), interleaved repetitions in one run; ratios are taken per repetition.
+  Skipped with a message when vllm does not import.
+  ``.venv/bin/python bench/bench_events.py --vllm-only`` runs just this (about 15 s).
 """
 
 from __future__ import annotations
@@ -100,6 +106,110 @@ def _time_encode(
         hashes_per_s,
         decode_us,
     )
+
+
+VLLM_EVENTS, VLLM_HASHES = 64, 16
+
+
+def bench_vs_vllm(
+    reps: int = 9, batches_per_rep: int = 200, seconds: float = 0.4
+) -> tuple[list[tuple], float] | str:
+    """Rows (encoder, median M hashes/s, median ratio to vLLM, min ratio, max ratio) and
+    the mean payload size in bytes; a message instead when vllm does not import."""
+    try:
+        import msgspec
+        from vllm.distributed import kv_events as vllm_events
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no vLLM row
+        return f"skipped: vllm does not import ({type(exc).__name__}: {exc})"
+    rng = random.Random(1)
+    ours, theirs = [], []
+    for _ in range(batches_per_rep):
+        ts = time.time()
+        stored = [
+            (
+                [rng.getrandbits(64) for _ in range(VLLM_HASHES)],
+                rng.getrandbits(64),
+                [rng.randrange(150_000) for _ in range(VLLM_HASHES)],
+            )
+            for _ in range(VLLM_EVENTS)
+        ]
+        ours.append(
+            KVEventBatch(ts, [BlockStored(h, p, t, BLOCK_SIZE, None, "CPU", None) for h, p, t in stored], 0)
+        )
+        theirs.append(
+            vllm_events.KVEventBatch(
+                ts=ts,
+                events=[
+                    vllm_events.BlockStored(
+                        block_hashes=h,
+                        parent_block_hash=p,
+                        token_ids=t,
+                        block_size=BLOCK_SIZE,
+                        lora_id=None,
+                        medium="CPU",
+                        lora_name=None,
+                    )
+                    for h, p, t in stored
+                ],
+                data_parallel_rank=0,
+            )
+        )
+    vllm_encode = msgspec.msgpack.Encoder().encode
+    contenders = [
+        ("vLLM 0.32 msgspec encoder", vllm_encode, theirs),
+        ("EventEncoder() (checks every hash)", EventEncoder().encode, ours),
+        ("EventEncoder(check_hashes=False)", EventEncoder(check_hashes=False).encode, ours),
+    ]
+    reference = [vllm_encode(b) for b in theirs]
+    for name, encode, batches in contenders:
+        assert [encode(b) for b in batches] == reference, f"{name}: payload differs from vLLM's"
+    hashes_per_batch = VLLM_EVENTS * VLLM_HASHES
+    # Each repetition takes turns 10 batches at a time (rotating who goes first), so a
+    # change of load on the machine hits every contender alike; a repetition's ratio is
+    # its contenders' total times against each other.
+    rates: dict[str, list[float]] = {name: [] for name, _, _ in contenders}
+    chunk = 10
+    for _ in range(reps):
+        spent = dict.fromkeys(rates, 0.0)
+        encoded = 0
+        rep_start = time.perf_counter()
+        while time.perf_counter() - rep_start < seconds * len(contenders):
+            for first in range(0, batches_per_rep, chunk):
+                turn = (first // chunk) % len(contenders)
+                for name, encode, batches in contenders[turn:] + contenders[:turn]:
+                    start = time.perf_counter()
+                    for batch in batches[first : first + chunk]:
+                        encode(batch)
+                    spent[name] += time.perf_counter() - start
+            encoded += batches_per_rep
+        for name in rates:
+            rates[name].append(encoded * hashes_per_batch / spent[name] / 1e6)
+    base = rates[contenders[0][0]]
+    rows = []
+    for name, _, _ in contenders:
+        ratios = [r / b for r, b in zip(rates[name], base)]
+        rows.append(
+            (name, statistics.median(rates[name]), statistics.median(ratios), min(ratios), max(ratios))
+        )
+    return rows, statistics.fmean(map(len, reference))
+
+
+def print_vs_vllm() -> None:
+    print(
+        f"## Encode against vLLM 0.32 ({VLLM_EVENTS} BlockStored x {VLLM_HASHES} hashes x "
+        f"{VLLM_HASHES} tokens per batch, map encoding, identical payloads, 9 interleaved repetitions)\n"
+    )
+    result = bench_vs_vllm()
+    if isinstance(result, str):
+        print(result)
+        return
+    rows, payload_bytes = result
+    print(f"Payload: {payload_bytes:,.0f} bytes per batch on average, the same bytes from every encoder.\n")
+    print(table(
+        ["encoder", "M hashes/s (median)", "ratio to vLLM (median)", "ratio min", "ratio max"],
+        rows,
+        ["{}", "{:.1f}", "{:.2f}x", "{:.2f}x", "{:.2f}x"],
+    ))  # fmt: skip
 
 
 def bench_publish(tmp: str) -> list[tuple]:
@@ -228,6 +338,9 @@ def main() -> int:
         f"# KV events benchmark (python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
         f"load avg {os.getloadavg()[0]:.1f})\n"
     )
+    if "--vllm-only" in sys.argv[1:]:
+        print_vs_vllm()
+        return 0
     print("## Encode (EventEncoder, 4 BlockStored events per batch)\n")
     print(table(
         [
@@ -262,6 +375,8 @@ def main() -> int:
             bench_burst(tmp),
             ["{}", "{:,}", "{:,}", "{:,}", "{:,}", "{:,}", "{:,}", "{:,}", "{}", "{:.1f}"],
         ))  # fmt: skip
+    print()
+    print_vs_vllm()
     return 0
 
 

@@ -191,3 +191,100 @@ batches = st.builds(
 @given(batch=batches, fmt=st.sampled_from(["map", "array"]))
 def test_any_batch_round_trips(batch: KVEventBatch, fmt: str) -> None:
     assert decode(encode(batch, fmt)) == batch
+
+
+# -- hash checking: one pass over the whole batch, per-event path only when it fails ---------
+
+
+def stored_batch(hashes_per_event: list[list], parents: list | None = None) -> KVEventBatch:
+    parents = parents or [None] * len(hashes_per_event)
+    events = [
+        BlockStored(hashes, parent, list(range(16 * len(hashes))), 16, None, "CPU", None)
+        for hashes, parent in zip(hashes_per_event, parents)
+    ]
+    return KVEventBatch(5.0, [*events, BlockRemoved([3], "CPU"), AllBlocksCleared()], 0)
+
+
+def test_valid_int_batch_is_encoded_unchanged_with_or_without_the_check() -> None:
+    batch = stored_batch([[i * 16 + j for j in range(16)] for i in range(64)], [U64_MAX] * 64)
+    checked = EventEncoder().encode(batch)
+    assert EventEncoder(check_hashes=False).encode(batch) == checked
+    assert EventEncoder(hash_format="raw").encode(batch) == checked
+    assert decode(checked) == batch
+
+
+def test_batch_mixing_ints_and_bytes_converts_only_the_bytes() -> None:
+    digests = hash_request(list(range(64)), 16)
+    batch = stored_batch([[1, digests[0], 2], [digests[1], digests[2]], [7]], [digests[3], 0, 2**63])
+    events = decode(encode(batch)).events
+    assert events[0].block_hashes == [1, external_hash(digests[0]), 2]
+    assert events[1].block_hashes == [external_hash(digests[1]), external_hash(digests[2])]
+    assert events[2].block_hashes == [7]
+    assert [e.parent_block_hash for e in events[:3]] == [external_hash(digests[3]), 0, 2**63]
+    assert events[3:] == batch.events[3:]
+    assert batch.events[0].block_hashes[1] == digests[0]  # the caller's events are untouched
+
+
+def test_parent_hash_as_bytes_with_int_block_hashes_is_converted() -> None:
+    digest = hash_request(list(range(16)), 16)[0]
+    batch = stored_batch([[1, 2, 3]], [digest])
+    assert decode(encode(batch)).events[0].parent_block_hash == external_hash(digest)
+    assert decode(encode(batch, "array")).events[0].parent_block_hash == external_hash(digest)
+
+
+@pytest.mark.parametrize("fmt", ["map", "array"])
+@pytest.mark.parametrize("bad", [-1, -(2**63), -(2**70), 2**64, 2**70])
+@pytest.mark.parametrize("where", ["hash", "parent"])
+def test_out_of_range_int_deep_in_a_large_batch_is_named(fmt: str, bad: int, where: str) -> None:
+    hashes = [[i * 16 + j for j in range(16)] for i in range(64)]
+    parents: list = [1] * 64
+    if where == "hash":
+        hashes[40][9] = bad
+    else:
+        parents[40] = bad
+    with pytest.raises(ValueError, match=rf"block hash {bad}\b.*unsigned 64-bit range"):
+        EventEncoder(fmt).encode(stored_batch(hashes, parents))
+
+
+def test_non_hash_values_are_still_refused_naming_them() -> None:
+    with pytest.raises(TypeError, match="'abc'"):
+        encode(stored_batch([[1, "abc"]]))
+    with pytest.raises(TypeError, match="'abc'"):
+        encode(stored_batch([[1]], ["abc"]))
+
+
+def test_check_hashes_false_trusts_the_producer() -> None:
+    trusting = EventEncoder(check_hashes=False)
+    assert trusting.check_hashes is False
+    digest = hash_request(list(range(16)), 16)[0]
+    # Bytes go out as they are (the caller promised ints): the same payload as "raw".
+    batch = stored_batch([[1, digest]])
+    assert trusting.encode(batch) == encode(batch, hash_format="raw")
+    # msgspec itself still refuses 2**64 and above, and the error names the value.
+    with pytest.raises(ValueError, match=str(2**64)):
+        trusting.encode(stored_batch([[1, 2**64]]))
+    with pytest.raises(ValueError, match="check_hashes"):
+        EventEncoder(check_hashes=1)  # type: ignore[arg-type]
+
+
+hash_values = u64 | st.binary(min_size=8, max_size=32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    hashes=st.lists(st.lists(hash_values, max_size=6), min_size=1, max_size=6),
+    parent=st.none() | hash_values,
+    fmt=st.sampled_from(["map", "array"]),
+)
+def test_mixed_hash_forms_encode_as_if_each_was_converted_first(
+    hashes: list[list], parent: int | bytes | None, fmt: str
+) -> None:
+    def u64_of(value: int | bytes) -> int:
+        return value if isinstance(value, int) else external_hash(value)
+
+    batch = stored_batch(hashes, [parent] * len(hashes))
+    expected = stored_batch(
+        [[u64_of(h) for h in event] for event in hashes],
+        [None if parent is None else u64_of(parent)] * len(hashes),
+    )
+    assert encode(batch, fmt) == encode(expected, fmt, hash_format="raw")

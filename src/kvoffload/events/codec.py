@@ -9,7 +9,16 @@ Contract:
   llm-d/AIBrix/Kthena decoders) writes ``[type, field1, field2, ...]`` with every slot.
 * ``hash_format="u64"`` writes every block hash as an unsigned 64-bit integer: raw hash
   bytes are converted with ``external_hash``, integers must already lie in
-  ``[0, 2**64)``. ``hash_format="raw"`` writes hashes exactly as the events hold them.
+  ``[0, 2**64)`` (``ValueError`` naming the value otherwise). ``hash_format="raw"``
+  writes hashes exactly as the events hold them.
+* The check is one C-level pass (``min``) over every hash of the batch, no Python code
+  per event; it still takes longer than msgspec takes to encode the batch. Only a batch
+  that fails it (bytes, a negative int, anything that is not an int) goes through the
+  per-event path that converts the bytes or names the culprit.
+  ``EventEncoder(..., check_hashes=False)`` skips that pass for producers whose hashes are
+  already ``external_hash`` ints (the scheduler's ``EventConverter``): the batch goes to
+  msgspec as it is, an int of ``2**64`` or more is still a ``ValueError`` naming it, but
+  raw bytes or a negative int would go on the wire unconverted and unchecked.
 * ``decode(data) -> KVEventBatch`` accepts both encodings and both hash forms, returns
   the public types of ``kvoffload.events.types`` and raises ``EventDecodeError`` (a
   ``ValueError``) for anything else.
@@ -18,6 +27,8 @@ Contract:
 from __future__ import annotations
 
 import operator
+from functools import partial
+from itertools import chain, repeat
 from typing import Any
 
 import msgspec
@@ -103,14 +114,33 @@ def _one_u64(value: Any) -> int:
     raise TypeError(f"block hash must be int or bytes, got {value!r}")
 
 
+_IS_NOT_NONE = partial(operator.is_not, None)
+
+
+def _all_unsigned_ints(events: list[Any]) -> bool:
+    """Whether every block hash and parent hash of ``events`` is an int of at least 0.
+
+    One pass in C over the whole batch, no Python code per event or per hash: ``min()``
+    of ints is an int, of a mix of ints and bytes (or str, None, ...) a ``TypeError``. An
+    int of ``2**64`` or more passes; msgspec refuses it when it encodes (``OverflowError``).
+    """
+    parents = filter(_IS_NOT_NONE, map(getattr, events, repeat("parent_block_hash"), repeat(None)))
+    hashes = chain.from_iterable(map(getattr, events, repeat("block_hashes"), repeat(())))
+    try:
+        lowest = min(chain(parents, hashes), default=0)
+    except TypeError:
+        return False
+    return type(lowest) is int and lowest >= 0
+
+
 def _with_u64_hashes(event: Any) -> Any:
     hashes = getattr(event, "block_hashes", None)
     if hashes is None:
         return event
     new_hashes = _u64_hashes(hashes)
-    if type(event) is BlockStored:
+    if isinstance(event, BlockStored):
         parent = event.parent_block_hash
-        new_parent = parent if parent is None or type(parent) is int else _one_u64(parent)
+        new_parent = None if parent is None else _one_u64(parent)  # the same int if valid
         if new_hashes is hashes and new_parent is parent:
             return event
         return replace(event, block_hashes=new_hashes, parent_block_hash=new_parent)
@@ -127,20 +157,30 @@ def _oversized_hash(batch: KVEventBatch) -> int | None:
 
 
 class EventEncoder:
-    """Reusable encoder for one wire format and hash form (cheaper than ``encode``)."""
+    """Reusable encoder for one wire format and hash form (cheaper than ``encode``).
 
-    def __init__(self, fmt: str = "map", hash_format: HashFormat = "u64") -> None:
+    ``check_hashes=False`` (only meaningful with ``hash_format="u64"``): the caller
+    guarantees every hash is already an int in ``[0, 2**64)``; see the module contract.
+    """
+
+    def __init__(
+        self, fmt: str = "map", hash_format: HashFormat = "u64", *, check_hashes: bool = True
+    ) -> None:
         _check_choice("fmt", fmt, FORMATS)
         _check_choice("hash_format", hash_format, HASH_FORMATS)
+        if not isinstance(check_hashes, bool):
+            raise ValueError(f"check_hashes must be True or False, got {check_hashes!r}")
         self.fmt = fmt
         self.hash_format = hash_format
+        self.check_hashes = check_hashes
+        self._check = hash_format == "u64" and check_hashes
         self._encoder = msgspec.msgpack.Encoder()
 
     def encode(self, batch: KVEventBatch) -> bytes:
         if not isinstance(batch, KVEventBatch):
             raise TypeError(f"expected a KVEventBatch, got {type(batch).__name__}: {batch!r}")
         events = batch.events
-        if self.hash_format == "u64":
+        if self._check and not _all_unsigned_ints(events):
             converted = [_with_u64_hashes(e) for e in events]
             if any(map(operator.is_not, converted, events)):
                 events = converted
