@@ -12,9 +12,10 @@ Contract:
 * A subscriber that joins late (first live ``seq`` above ``start_seq``) backfills from
   ``start_seq`` (0 by default; ``None`` starts from the first live batch).
 * A live sequence number at or below the last live one, a live batch that differs from
-  the one replay already delivered under its number, or a live sequence number below the
-  next expected one that was never delivered (e.g. below a resumed ``start_seq``, or
-  after a stream delivered by replay alone) means the publisher restarted:
+  the one replay already delivered under its number, or, before any live batch of this
+  publisher lifetime, a live sequence number below the next expected one that was never
+  delivered (e.g. below a resumed ``start_seq``, or after a stream delivered by replay
+  alone) means the publisher restarted:
   ``restarts`` is counted and delivery starts over from the new publisher's first batch
   (sequence 0, whatever ``start_seq`` was: it names where to join the first publisher's
   stream, and a checkpoint of the old stream means nothing in the new one).
@@ -54,6 +55,7 @@ from kvoffload.validation import non_negative_int
 logger = logging.getLogger(__name__)
 
 _AHEAD_LIMIT = 1 << 20  # remembered replay-ahead payload hashes, if live never catches up
+_SKIPPED_LIMIT = 1024  # remembered ranges counted lost
 
 
 @dataclass
@@ -127,6 +129,9 @@ class EventSubscriber:
         self._ahead: dict[int, int] = {}
         self._ahead_order: deque[int] = deque()
         self._ahead_floor = -1  # the highest sequence number forgotten for _AHEAD_LIMIT
+        # Ranges of this publisher lifetime counted lost (newest last, at most _SKIPPED_LIMIT):
+        # a live batch arriving late inside one is the same publisher's, not a new one's.
+        self._skipped: deque[tuple[int, int]] = deque()
         self._stats = SubscriberStats()
 
         self._sub = self._ctx.socket(zmq.SUB)
@@ -221,6 +226,7 @@ class EventSubscriber:
             self._ahead.clear()
             self._ahead_order.clear()
             self._ahead_floor = -1
+            self._skipped.clear()
         self._last_live = seq
         while self._ahead_order and self._ahead_order[0] <= seq:
             self._ahead.pop(self._ahead_order.popleft(), None)
@@ -234,17 +240,37 @@ class EventSubscriber:
         self._deliver(seq, batch, live=True)
 
     def _is_restart(self, seq: int, payload: bytes) -> bool:
-        # One publisher's live stream only goes up, so going back means a new publisher.
-        if self._last_live is not None and seq <= self._last_live:
-            return True
         delivered = self._ahead.get(seq)
+        if self._last_live is not None:
+            # One publisher's live stream only goes up, so going back means a new
+            # publisher. Above the last live number it is the same publisher's, also when
+            # replay went further (a late live message of a range replay delivered, or
+            # counted lost because it had left the publisher's buffer): unless replay
+            # delivered other bytes under that number.
+            if seq <= self._last_live:
+                return True
+            return delivered is not None and delivered != hash(payload)
         if delivered is not None:
             return delivered != hash(payload)
-        # Below the next expected number yet never delivered, live or by replay: not this
-        # publisher's (its live stream reached us only past what we had), so a new one's.
+        # No live batch yet in this lifetime: below the next expected number yet neither
+        # delivered by replay nor counted lost is not this publisher's, so a new one's.
         # Without this, a subscriber fed by replay alone would drop a restarted
         # publisher's whole stream as duplicates.
+        if any(lo <= seq <= hi for lo, hi in self._skipped):
+            return False
         return self._expected is not None and self._ahead_floor < seq < self._expected
+
+    def _count_lost(self, lo: int, hi: int) -> None:
+        """Sequence numbers ``lo..hi`` will never be delivered in this lifetime."""
+        self._stats.lost += hi - lo + 1
+        self._gap += hi - lo + 1
+        skipped = self._skipped
+        if skipped and skipped[-1][1] + 1 >= lo:
+            skipped[-1] = (skipped[-1][0], max(hi, skipped[-1][1]))
+        else:
+            skipped.append((lo, hi))
+            if len(skipped) > _SKIPPED_LIMIT:
+                skipped.popleft()
 
     def _decode(self, payload: bytes, seq: str) -> KVEventBatch | None:
         try:
@@ -276,8 +302,7 @@ class EventSubscriber:
         if self._replay is not None and self._request_replay(start):
             self._read_replay()
         if until is not None and self._expected is not None and self._expected < until:
-            self._stats.lost += until - self._expected
-            self._gap += until - self._expected
+            self._count_lost(self._expected, until - 1)
             self._expected = until
 
     def _request_replay(self, start: int) -> bool:
@@ -317,8 +342,7 @@ class EventSubscriber:
                 self._stats.duplicates += 1
                 continue
             if seq > self._expected:
-                self._stats.lost += seq - self._expected  # fell out of the publisher's buffer
-                self._gap += seq - self._expected
+                self._count_lost(self._expected, seq - 1)  # fell out of the publisher's buffer
             self._ahead[seq] = hash(frames[3])
             self._ahead_order.append(seq)
             if len(self._ahead_order) > _AHEAD_LIMIT:
