@@ -23,6 +23,7 @@ host⇄disk, host⇄remote) are peers behind one interface. Torch-free.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -72,6 +73,51 @@ class OffloadingWorker(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class JobBook:
+    """The bookkeeping a worker's ``submit``, copy threads, ``poll``, ``wait`` and ``close``
+    share: job ids in flight, results not yet polled, whether it is closed. ``lock`` (a
+    condition) guards them; a worker may take it for its own counters too."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.closed = False
+        self._pending: set[int] = set()
+        self._results: list[TransferResult] = []
+
+    def begin(self, job_id: int) -> None:
+        """Record ``job_id`` in flight; ``RuntimeError`` after ``close``, ``ValueError`` if
+        it is in flight already."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError(f"submit({job_id}) after close()")
+            if job_id in self._pending:
+                raise ValueError(f"job id {job_id} is already in flight")
+            self._pending.add(job_id)
+
+    def finish(self, result: TransferResult) -> None:
+        """Call with ``lock`` held."""
+        self._results.append(result)
+        self._pending.discard(result.job_id)
+        self.lock.notify_all()
+
+    def poll(self) -> list[TransferResult]:
+        with self.lock:
+            results, self._results = self._results, []
+        return results
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
+        wanted = set(job_ids)
+        with self.lock:
+            if not self.lock.wait_for(lambda: not (wanted & self._pending), timeout):
+                raise TimeoutError(f"jobs {sorted(wanted & self._pending)} still running")
+
+    def close(self) -> bool:
+        """Mark closed; ``True`` the first time only."""
+        with self.lock:
+            first, self.closed = not self.closed, True
+        return first
 
 
 class WorkerRouter(OffloadingWorker):

@@ -58,7 +58,7 @@ from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock
 from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
 from kvoffload.tiers.fs.namespace import namespace_digest, open_namespace_dir
 from kvoffload.validation import positive_int
-from kvoffload.worker import OffloadingWorker, Route, TransferResult
+from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 
 RUN_BYTES = 1 << 20
 STORE = "disk_store"  # host -> disk
@@ -148,10 +148,8 @@ class FSWorker(OffloadingWorker):
         # Slots written by this process: rewriting them needs no new disk space.
         self._allocated = np.zeros(self.num_slots, dtype=bool)
         self._counters = FSWorkerCounters()
-        self._lock = threading.Condition()
-        self._pending: set[int] = set()
-        self._results: list[TransferResult] = []
-        self._closed = False
+        self._jobs = JobBook()
+        self._lock = self._jobs.lock  # also guards the counters
         self._pools = {
             STORE: ThreadPoolExecutor(store_threads, thread_name_prefix="kvoffload-fs-store"),
             LOAD: ThreadPoolExecutor(load_threads, thread_name_prefix="kvoffload-fs-load"),
@@ -172,7 +170,7 @@ class FSWorker(OffloadingWorker):
     # -- submission ----------------------------------------------------------------------
 
     def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        if self._closed:
+        if self._jobs.closed:
             raise RuntimeError(f"submit({job_id}) after close()")
         direction = _DIRECTIONS.get((src_spec.medium, dst_spec.medium))
         if direction is None:
@@ -189,12 +187,7 @@ class FSWorker(OffloadingWorker):
                 f"({type(src_spec).__name__}, {type(dst_spec).__name__})"
             )
         job = self._plan(job_id, store, host_spec, disk_spec)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"submit({job_id}) after close()")
-            if job_id in self._pending:
-                raise ValueError(f"job id {job_id} is already in flight")
-            self._pending.add(job_id)
+        self._jobs.begin(job_id)
         self._queues[direction].put(job)
         return True
 
@@ -239,9 +232,7 @@ class FSWorker(OffloadingWorker):
                 else:
                     counters.loads += result.success
                     counters.loads_failed += not result.success
-                self._results.append(result)
-                self._pending.discard(job.job_id)
-                self._lock.notify_all()
+                self._jobs.finish(result)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -340,25 +331,18 @@ class FSWorker(OffloadingWorker):
     # -- completion ----------------------------------------------------------------------
 
     def poll(self) -> list[TransferResult]:
-        with self._lock:
-            results, self._results = self._results, []
-        return results
+        return self._jobs.poll()
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
-        wanted = set(job_ids)
-        with self._lock:
-            if not self._lock.wait_for(lambda: not (wanted & self._pending), timeout):
-                raise TimeoutError(f"jobs {sorted(wanted & self._pending)} still running")
+        self._jobs.wait(job_ids, timeout)
 
     def counters(self) -> FSWorkerCounters:
         with self._lock:
             return self._counters.snapshot()
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._jobs.close():
+            return
         for direction in (STORE, LOAD):
             self._queues[direction].put(None)
         for thread in self._threads:

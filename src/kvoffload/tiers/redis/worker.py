@@ -32,7 +32,6 @@ Contract, beyond ``kvoffload.worker``:
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +44,7 @@ from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, CPULoadStoreSpec, LoadSto
 from kvoffload.tiers.redis.calls import NodeCalls, NodeDown
 from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode
 from kvoffload.validation import positive_int
-from kvoffload.worker import OffloadingWorker, Route, TransferResult
+from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 
 STORE = "remote_store"  # host -> remote
 LOAD = "remote_load"  # remote -> host
@@ -93,11 +92,9 @@ class RedisWorker(OffloadingWorker):
         self._names = names
         self._ttl = ttl
         self._pool = ThreadPoolExecutor(positive_int("io_threads", io_threads), "kvoffload-redis-io")
-        self._lock = threading.Condition()
-        self._pending: set[int] = set()
-        self._results: list[TransferResult] = []
+        self._jobs = JobBook()
+        self._lock = self._jobs.lock  # also guards the counters
         self._counters = RedisWorkerCounters()
-        self._closed = False
 
     # -- submission ----------------------------------------------------------------------
 
@@ -115,12 +112,7 @@ class RedisWorker(OffloadingWorker):
         if bad:
             raise ValueError(f"host block id {bad[0]} out of range [0, {self.host_pool.num_blocks})")
         keys = [bytes(key) for key in remote.keys]
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the RedisWorker is closed")
-            if job_id in self._pending:
-                raise ValueError(f"job id {job_id} is already in flight")
-            self._pending.add(job_id)
+        self._jobs.begin(job_id)
         self._pool.submit(self._run, job_id, direction, host_ids, keys)
         return True
 
@@ -143,11 +135,9 @@ class RedisWorker(OffloadingWorker):
             else:
                 counters.loads += error is None
                 counters.loads_failed += error is not None
-            self._pending.discard(job_id)
-            self._results.append(
+            self._jobs.finish(
                 TransferResult(job_id, error is None, moved, time.perf_counter() - start, direction, error)
             )
-            self._lock.notify_all()
 
     def _payload(self, host_id: int) -> list:
         return [rows[host_id] for rows in self._rows]
@@ -211,15 +201,10 @@ class RedisWorker(OffloadingWorker):
     # -- results -------------------------------------------------------------------------
 
     def poll(self) -> list[TransferResult]:
-        with self._lock:
-            results, self._results = self._results, []
-        return results
+        return self._jobs.poll()
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
-        wanted = set(job_ids)
-        with self._lock:
-            if not self._lock.wait_for(lambda: not (wanted & self._pending), timeout):
-                raise TimeoutError(f"jobs {sorted(wanted & self._pending)} still running after {timeout} s")
+        self._jobs.wait(job_ids, timeout)
 
     def counters(self) -> RedisWorkerCounters:
         with self._lock:
@@ -227,8 +212,5 @@ class RedisWorker(OffloadingWorker):
 
     def close(self) -> None:
         """Let queued jobs finish (each bounded by the client's timeouts), then release."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._pool.shutdown(wait=True)
+        if self._jobs.close():
+            self._pool.shutdown(wait=True)
