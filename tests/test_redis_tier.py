@@ -268,3 +268,29 @@ def test_tiered_promotion_from_the_shared_tier(replicas):
     assert np.array_equal(
         np.frombuffer(host_block(b.pool, host_id), np.uint8), np.frombuffer(host_block(a.pool, 0), np.uint8)
     )
+
+
+def test_removals_are_found_by_reconciliation_when_the_server_sends_no_notifications(tmp_path):
+    server = RedisServer(tmp_path, notifications=False).start()
+    try:
+        a = Replica(server.url, reconcile_interval_s=0.2)
+        keys = [k(i) for i in range(4)]
+        assert a.store(keys, [0, 1, 2, 3]).success
+        assert [(e.removed, len(e.keys)) for e in a.manager.take_events()] == [(False, 4)]
+        server.client().delete(a.names.name(keys[1]), a.names.name(keys[3]))
+        removed = until(lambda: [key for e in a.manager.take_events() if e.removed for key in e.keys])
+        assert sorted(removed) == sorted([keys[1], keys[3]])
+        assert [a.manager.lookup(key) for key in keys] == [HIT, RETRY, HIT, RETRY]  # asked again
+        assert a.manager.counters().gone == 2 and a.manager.counters().reconciliations >= 1
+        a.close()
+    finally:
+        server.stop()
+
+
+def test_the_namespace_key_prefixes_every_key_name(replicas, redis_server):  # noqa: F811
+    a = replicas(namespace="team-a")
+    assert a.tier.prefix == "team-a"
+    a.names = KeyNames("team-a", redis_namespace({**IDENTITY, "rank": 0}))
+    assert a.store([k(1)], [0]).success
+    names = redis_server.client().keys("*")
+    assert names == [a.names.name(k(1))] and names[0].startswith(b"team-a:kvr-")

@@ -12,7 +12,9 @@ Keys of its entry (errors name the key and the value; a URL is shown without pas
   ``max_index_blocks`` blocks and nothing is deleted: the server's ``maxmemory`` policy
   bounds the store.
 * ``max_index_blocks`` (default 1,000,000): blocks the local index tracks without a budget.
-* ``prefix`` (default ``"kvoffload"``): the first part of every key name.
+* ``namespace`` (default ``"kvoffload"``): the first part of every key name, to keep
+  kvoffload's keys (or one deployment's) apart on a shared server; the layout namespace
+  derived from the blocks' identity follows it.
 * ``ttl_s``: optional expiry of stored blocks, seconds.
 * ``connect_timeout_s`` (default 1.0), ``timeout_s`` (default 2.0): bounds of every call.
 * ``probe_timeout_s`` (default 1.0): a lookup still unanswered after this is a miss.
@@ -43,7 +45,7 @@ from kvoffload.worker import OffloadingWorker
 log = logging.getLogger("kvoffload.tiers.redis")
 
 _SECONDS = {"connect_timeout_s": 1.0, "timeout_s": 2.0, "probe_timeout_s": 1.0, "reconcile_interval_s": 30.0}
-_KNOWN = ("url", "cluster", "password_env", "bytes_to_use", "max_index_blocks", "prefix", "ttl_s",
+_KNOWN = ("url", "cluster", "password_env", "bytes_to_use", "max_index_blocks", "namespace", "ttl_s",
           "io_threads", *_SECONDS)  # fmt: skip
 
 
@@ -60,7 +62,7 @@ class RedisTierType(SecondaryTierType):
         self.server = server
         self.bytes_to_use: int | None = options.get("bytes_to_use")
         self.max_index_blocks: int = options.get("max_index_blocks", 1_000_000)
-        self.prefix: str = options.get("prefix", "kvoffload")
+        self.prefix: str = options.get("namespace", "kvoffload")
         self.ttl: int | None = options.get("ttl_s")
         self.io_threads: int = options.get("io_threads", 2)
         self.seconds = {key: options.get(key, default) for key, default in _SECONDS.items()}
@@ -79,10 +81,10 @@ class RedisTierType(SecondaryTierType):
         password_env = options.get("password_env")
         if password_env is not None and (not isinstance(password_env, str) or not password_env):
             raise ValueError(f"password_env must name an environment variable, got {password_env!r}")
-        prefix = options.get("prefix", "kvoffload")
+        prefix = options.get("namespace", "kvoffload")
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in " :\n\r\0"):
-            raise ValueError(f"prefix must be a non-empty name without spaces or ':', got {prefix!r}")
-        parsed = {"prefix": prefix}
+            raise ValueError(f"namespace must be a non-empty name without spaces or ':', got {prefix!r}")
+        parsed = {"namespace": prefix}
         for key in ("bytes_to_use", "ttl_s", "max_index_blocks", "io_threads"):
             if key in options:
                 parsed[key] = positive_int(key, options[key])
