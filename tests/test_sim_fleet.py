@@ -228,6 +228,7 @@ def test_cli_fleet_end_to_end(tmp_path, capsys, monkeypatch):
         (["--balance-threshold", "2"], "--balance-threshold 2.0 needs --replicas"),
         (["--shared-capacity", "10%"], "--shared-capacity '10%' needs --replicas"),
         (["--replicas", "2", "--shared-capacity", "lots"], "--shared-capacity"),
+        (["--replicas", "2", "--shared-capacity", "0"], "--shared-capacity '0' holds no block"),
         (["--replicas", "2", "--shared-capacity", "10%", "--remote-bandwidth", "fast"], "--remote-bandwidth"),
     ],
 )

@@ -379,9 +379,11 @@ def _validate(args: argparse.Namespace):
                         ("--shared-capacity", shared)):  # fmt: skip
         for spec in specs:  # fail on a bad capacity before any replay
             try:
-                parse_capacity(spec, trace.unique_blocks(), block_bytes)
+                blocks = parse_capacity(spec, trace.unique_blocks(), block_bytes)
             except ValueError as exc:
                 raise ValueError(f"{flag}: {exc}") from None
+            if flag == "--shared-capacity" and blocks == 0:
+                raise ValueError(f"--shared-capacity {spec!r} holds no block (leave it out: no shared tier)")
     return cost, policies, capacities, disk_capacities, trace, fleet
 
 
