@@ -17,13 +17,13 @@ is a ``TypeError`` naming the field, because a ``repr`` may differ between proce
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvoffload.private import private_dir
 from kvoffload.tiers.fs.format import DIGEST_BYTES, FORMAT_VERSION
+from kvoffload.tiers.identity import canonical_identity
 
 PREFIX = "kv-"
 
@@ -68,14 +68,7 @@ def layout_identity(layout: Any, blocks_per_offload_block: int = 1) -> dict[str,
 
 
 def _canonical(identity: Mapping[str, Any]) -> str:
-    for field, value in identity.items():
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"namespace field {field!r} is not JSON-serialisable ({exc}): {value!r}"
-            ) from None
-    return json.dumps({"format_version": FORMAT_VERSION, **identity}, sort_keys=True, separators=(",", ":"))
+    return canonical_identity({"format_version": FORMAT_VERSION, **identity})
 
 
 def fs_namespace(identity: Mapping[str, Any]) -> str:

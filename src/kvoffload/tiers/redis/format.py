@@ -26,7 +26,7 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from kvoffload.tiers.fs.namespace import describe
+from kvoffload.tiers.identity import canonical_identity
 
 MAGIC = b"KVR1"
 FORMAT_VERSION = 1
@@ -43,7 +43,7 @@ def redis_namespace(identity: Mapping[str, Any]) -> str:
     """``kvr-`` + 32 hex digits of the identity (JSON-serialisable) and the format version."""
     if not isinstance(identity, Mapping) or not identity:
         raise ValueError(f"namespace identity must be a non-empty mapping, got {identity!r}")
-    text = f"kvoffload-redis:{FORMAT_VERSION}:" + describe(identity)
+    text = canonical_identity({"format": f"kvoffload-redis:{FORMAT_VERSION}", **identity})
     return "kvr-" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
