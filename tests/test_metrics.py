@@ -7,6 +7,8 @@ import gc
 import urllib.request
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload import metrics
@@ -215,3 +217,17 @@ def test_the_metrics_package_loads_neither_torch_nor_zmq():
     )
     assert "kvoffload" in loaded and "prometheus_client" in loaded
     assert not loaded & {"torch", "zmq"}
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 200), st.integers(0, 80)), max_size=12),
+    st.integers(0, 150),
+    st.integers(0, 150),
+    st.sampled_from(["CPU", "DISK", "REMOTE", "GPU"]),
+)
+def test_tokens_by_source_of_one_medium_equals_the_general_sweep(spans, start, length, medium):
+    ranges = [(lo, lo + width, medium) for lo, width in spans]
+    end = start + length
+    swept = tokens_by_source([*ranges, (0, 0, "CPU" if medium != "CPU" else "DISK")], start, end)
+    assert tokens_by_source(ranges, start, end) == swept
+    assert sum(swept.values()) == length

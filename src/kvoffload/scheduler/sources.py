@@ -24,7 +24,13 @@ def _rank(medium: str) -> int:
 
 def tokens_by_source(ranges: Iterable[tuple[int, int, str]], start: int, end: int) -> dict[str, int]:
     """``ranges``: ``(first token, end token, medium)`` of each loaded key. Only non-zero
-    counts are returned. A sweep over the range ends: O(n log n) in the keys."""
+    counts are returned. A sweep over the range ends: O(n log n) in the keys; when every
+    key has the same medium (a load from one tier, the common case) only the covered
+    length is counted."""
+    ranges = list(ranges)
+    media = {medium for _, _, medium in ranges}
+    if len(media) == 1:
+        return _one_medium(ranges, media.pop(), start, end)
     edges: list[tuple[int, int, int]] = []  # (token, +1/-1, rank)
     for lo, hi, medium in ranges:
         lo, hi = max(lo, start), min(hi, end)
@@ -44,4 +50,18 @@ def tokens_by_source(ranges: Iterable[tuple[int, int, str]], start: int, end: in
             counts[source] = counts.get(source, 0) + token - position
             position = token
         active[rank] += delta
+    return counts
+
+
+def _one_medium(ranges: list[tuple[int, int, str]], medium: str, start: int, end: int) -> dict[str, int]:
+    source = medium if medium in MEDIA_ORDER else UNKNOWN
+    covered, reach = 0, start
+    for lo, hi, _ in sorted(ranges):
+        lo, hi = max(lo, reach), min(hi, end)
+        if lo < hi:
+            covered += hi - lo
+            reach = hi
+    counts = {source: covered} if covered else {}
+    if end - start > covered:
+        counts[UNKNOWN] = counts.get(UNKNOWN, 0) + end - start - covered
     return counts
