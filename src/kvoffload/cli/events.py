@@ -73,6 +73,8 @@ def run_tail(args: argparse.Namespace) -> int:
         raise SystemExit(f"--max-batches must be a positive integer, got {args.max_batches}")
     if args.timeout is not None and args.timeout <= 0:
         raise SystemExit(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"--metrics-port must be a port in 0..65535, got {args.metrics_port}")
     try:
         subscriber = EventSubscriber(
             args.endpoint,

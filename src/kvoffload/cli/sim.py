@@ -345,6 +345,8 @@ def _validate(args: argparse.Namespace):
         float(_flag_bytes(args.remote_bandwidth, "--remote-bandwidth")),
     )
     in_fleet = args.replicas is not None
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be a port in 0..65535, got {args.metrics_port}")
     if args.metrics_port is not None and (in_fleet or args.disk_capacities):
         raise ValueError(
             "--metrics-port serves the host-tier replay only, not --replicas or --disk-capacities"
