@@ -120,9 +120,12 @@ def test_sim_metrics_port_is_refused_with_a_fleet(tmp_path: Path) -> None:
         main(["sim", "chat", "--replicas", "2", "--metrics-port", "1", "--no-progress"])
 
 
-@pytest.mark.parametrize("command", [["sim", "chat", "--no-progress"], ["events", "tail", "tcp://127.0.0.1:1"]])
+@pytest.mark.parametrize(
+    "command", [["sim", "chat", "--no-progress"], ["events", "tail", "tcp://127.0.0.1:1"]]
+)
 @pytest.mark.parametrize("port", [-1, 65536])
 def test_a_port_out_of_range_is_named(tmp_path: Path, command: list[str], port: int) -> None:
-    extra = ["--csv", str(tmp_path / "x.csv"), "--png", str(tmp_path / "x.png")] if command[0] == "sim" else []
+    outputs = ["--csv", str(tmp_path / "x.csv"), "--png", str(tmp_path / "x.png")]
+    extra = outputs if command[0] == "sim" else []
     with pytest.raises(SystemExit, match=rf"--metrics-port must be a port in 0\.\.65535, got {port}"):
         main([*command, *extra, "--metrics-port", str(port)])
