@@ -294,3 +294,19 @@ def test_the_namespace_key_prefixes_every_key_name(replicas, redis_server):  # n
     assert a.store([k(1)], [0]).success
     names = redis_server.client().keys("*")
     assert names == [a.names.name(k(1))] and names[0].startswith(b"team-a:kvr-")
+
+
+def test_a_unix_socket_url(tmp_path):
+    socket_path = tmp_path / "redis.sock"
+    server = RedisServer(tmp_path).start(extra=("--unixsocket", str(socket_path), "--unixsocketperm", "700"))
+    try:
+        a = Replica(f"unix://{socket_path}?db=0")
+        b = Replica(f"unix://{socket_path}?db=0", seed=1)
+        assert a.store([k(1)], [0]).success
+        assert b.settle(k(1)) is HIT
+        assert b.run(b.manager.prepare_load([k(1)]), CPULoadStoreSpec([5])).success
+        assert host_block(b.pool, 5) == host_block(a.pool, 0)
+        a.close()
+        b.close()
+    finally:
+        server.stop()
