@@ -310,3 +310,57 @@ def test_a_unix_socket_url(tmp_path):
         b.close()
     finally:
         server.stop()
+
+
+def test_a_tls_url(tmp_path):
+    """``rediss://`` to a TLS-only server (a CA and a server certificate made here with
+    ``openssl``); the CA is given in the URL's query, as redis-py reads it."""
+    import shutil
+    import subprocess
+
+    from redis_server import free_port, require_redis_server
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed: no certificates for a TLS server")
+    run = lambda *args: subprocess.run([openssl, *args], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+        "-subj", "/CN=kvoffload-test-ca")  # fmt: skip
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr",
+        "-subj", "/CN=127.0.0.1")  # fmt: skip
+    (tmp_path / "ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "srv.crt", "-days", "1", "-extfile", "ext")  # fmt: skip
+    port = free_port()
+    proc = subprocess.Popen(
+        [require_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--dir", str(tmp_path), "--tls-cert-file", "srv.crt", "--tls-key-file", "srv.key",
+         "--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "no"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        import redis
+
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.crt'}"
+
+        def answers() -> bool:
+            try:
+                return redis.Redis.from_url(url, socket_timeout=1).ping()
+            except redis.ConnectionError:
+                return False
+
+        until(answers)
+        a = Replica(url)
+        assert a.store([k(1)], [0]).success
+        b = Replica(url, seed=1)
+        assert b.settle(k(1)) is HIT
+        assert b.run(b.manager.prepare_load([k(1)]), CPULoadStoreSpec([5])).success
+        assert host_block(b.pool, 5) == host_block(a.pool, 0)
+        # the same server without TLS is unreachable: a degraded start, misses, no hang
+        plain = Replica(f"redis://127.0.0.1:{port}/0")
+        assert plain.settle(k(1)) is MISS
+        for replica in (a, b, plain):
+            replica.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
