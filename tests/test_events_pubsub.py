@@ -22,6 +22,7 @@ from kvoffload.events import (
     encode,
 )
 from kvoffload.events.endpoints import for_rank, normalize
+from kvoffload.keys import external_hash
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -394,11 +395,26 @@ def test_default_host_is_loopback() -> None:
         ({"endpoint": 0, "data_parallel_rank": -1}, "-1"),
         ({"endpoint": 0, "topic": 5}, "topic"),
         ({"endpoint": 0, "hash_format": "hex"}, "hex"),
+        ({"endpoint": 0, "check_hashes": "no"}, "check_hashes"),
     ],
 )
 def test_bad_publisher_arguments_raise_naming_the_value(kwargs: dict, bad: str) -> None:
     with pytest.raises(ValueError, match=bad):
         ZmqEventPublisher(**kwargs).close()
+
+
+@pytest.mark.parametrize("check_hashes", [True, False])
+def test_check_hashes_reaches_the_sender_encoder(ipc: tuple[str, str], check_hashes: bool) -> None:
+    """A checking publisher converts raw hash bytes to ``external_hash``; one whose producer
+    vouches for its hashes (``check_hashes=False``) sends the batch exactly as given."""
+    digest = bytes(range(32))
+    event = BlockStored([7, digest], None, [], 16, None, "CPU", None)
+    with ZmqEventPublisher(*ipc, check_hashes=check_hashes) as pub, EventSubscriber(*ipc) as sub:
+        wait_until_live(pub, sub)
+        pub.publish([event])
+        ((_, batch),) = collect(sub, 1)
+    expected = [7, digest] if not check_hashes else [7, external_hash(digest)]
+    assert batch.events[0].block_hashes == expected
 
 
 def test_bad_subscriber_arguments_raise_naming_the_value() -> None:

@@ -13,6 +13,9 @@ Contract:
   subscriber sees a gap and repairs it by replay. A batch must not be modified after it is
   published. A batch that cannot be encoded (e.g. a hash outside the unsigned 64-bit
   range) is logged, counted in ``encode_errors`` and never sent: subscribers count it lost.
+  ``check_hashes=False`` is for producers whose hashes are already ``external_hash`` ints
+  (the scheduler's ``EventConverter``): the sender then encodes at msgspec's own speed
+  instead of first checking every hash (``kvoffload.events.codec``, ``EventEncoder``).
 * Replay: a ROUTER socket on ``replay_endpoint``. A request is one 8-byte big-endian start
   sequence (from a REQ socket, or ``[b"", start]`` from a DEALER). The reply is one message
   ``[topic, seq, payload]`` per buffered batch with ``seq >= start``, in order, then the end
@@ -84,6 +87,7 @@ class ZmqEventPublisher:
         fmt: str = "map",
         *,
         hash_format: HashFormat = "u64",
+        check_hashes: bool = True,
         bind: bool = True,
         flush_timeout: float = 1.0,
         context: zmq.Context | None = None,
@@ -98,7 +102,8 @@ class ZmqEventPublisher:
         pub_endpoint = endpoints.for_rank(endpoints.normalize(endpoint), data_parallel_rank)
         replay = None if replay_endpoint is None else endpoints.normalize(replay_endpoint)
         replay = None if replay is None else endpoints.for_rank(replay, data_parallel_rank)
-        self._encoder = EventEncoder(fmt, hash_format)  # validates fmt and hash_format
+        # validates fmt, hash_format and check_hashes
+        self._encoder = EventEncoder(fmt, hash_format, check_hashes=check_hashes)
 
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank
