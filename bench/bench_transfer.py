@@ -1,6 +1,6 @@
 """Bandwidth of store and load jobs against a plain contiguous copy of the same bytes.
 
-Run: .venv/bin/python bench/bench_transfer.py [--reps N] [--quick]
+Run: .venv/bin/python bench/bench_transfer.py [--reps N] [--quick] [--pages 128,64]
 
 Each case is a per-layer layout of 32 layers (one KV-cache group) whose pages are
 ``page`` bytes, jobs of 64 device blocks, and F device blocks per host block. Three id
@@ -128,11 +128,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="fewer shapes, 3 repetitions")
+    parser.add_argument("--pages", help="page sizes in KiB, comma separated (default 128,64,16,4)")
     args = parser.parse_args()
     reps = 3 if args.quick else args.reps
     pages = [128 << 10, 64 << 10, 16 << 10, 4 << 10]
     if args.quick:
         pages = [128 << 10, 16 << 10]
+    if args.pages:
+        pages = [int(p) << 10 for p in args.pages.split(",")]
     rng = np.random.default_rng(0)
     threads = min(8, os.cpu_count() or 1)  # the engine's default
     cpu0, wall0 = time.process_time(), time.perf_counter()

@@ -170,6 +170,24 @@ def test_copy_error_fails_only_that_job():
         assert torch.equal(pool.tensors[t][4], before[0][t][5])
 
 
+def test_memory_released_after_jobs_ran_fails_the_next_job():
+    """The executor's views must not pin the storage: torch can still release it after
+    jobs have copied through it, and the next job fails instead of touching freed memory."""
+    layout, pool, engine = make_setup("per_layer", 1)
+    released = layout.tensors[layout.groups[1][0]]
+    with engine:
+        engine.submit(1, DeviceLoadStoreSpec([0], [0, 1, 0, 0], [0] * 4), CPULoadStoreSpec([0]))
+        engine.wait([1])
+        (first,) = engine.poll()
+        released.untyped_storage().resize_(0)  # raises if an earlier view locked the storage
+        engine.submit(2, DeviceLoadStoreSpec([0], [0, 1, 0, 0], [0] * 4), CPULoadStoreSpec([1]))
+        engine.wait([2])
+        (second,) = engine.poll()
+    assert first.success
+    assert (second.success, second.bytes) == (False, 0)
+    assert "memory was released or shrunk" in second.error
+
+
 @pytest.mark.parametrize(
     ("device_ids", "sizes", "host_ids", "message"),
     [

@@ -19,13 +19,15 @@ and torch ops above its grain size enter its intra-op pool (see ``copy_pool``). 
 ``np.take``'s default mode: see ``row_plan.apply_unit``.
 
 Freed memory: a tensor whose storage was released or shrunk (e.g. the engine tore its KV
-cache down) fails the job when the job starts, instead of being read or written through
-a stale pointer. Releasing memory while a job is copying it is the caller's error, as
-with any copy in flight.
+cache down) fails every job that starts afterwards, instead of being read or written
+through a stale pointer (the numpy views are made per job from the storage's address, so
+torch can still release it). Releasing memory while a job is copying it is the caller's
+error, as with any copy in flight.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Sequence
@@ -57,15 +59,31 @@ def widest_view_dtype(*tensors: torch.Tensor) -> torch.dtype:
     raise AssertionError("uint8 views always exist")
 
 
+_NUMPY_TYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.uint8: np.uint8}
+
+
 def numpy_rows(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> np.ndarray:
-    """``tensor`` (uint8 rows) as a numpy array of ``dtype`` rows sharing its memory,
-    refusing a tensor whose memory no longer backs it: numpy would read or write freed
-    memory without complaint."""
+    """``tensor`` (uint8 rows, each contiguous) as a numpy array of ``dtype`` rows over
+    the same memory, refusing a tensor whose memory no longer backs it: numpy would read
+    or write freed memory without complaint.
+
+    The array is built from the storage's address, not with ``Tensor.numpy()``: that call
+    marks the storage as shared with numpy for good, after which torch refuses to release
+    or shrink it, and this check could never fire again."""
     rows, width = tensor.shape
+    storage = tensor.untyped_storage()
     end = tensor.storage_offset() + (rows - 1) * tensor.stride(0) + width
-    if rows and end > tensor.untyped_storage().nbytes():
+    if rows and end > storage.nbytes():
         raise RuntimeError(f"{name}: its memory was released or shrunk")
-    return tensor.view(dtype).numpy()
+    size = dtype.itemsize
+    memory = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
+    return np.ndarray(
+        (rows, width // size),
+        _NUMPY_TYPES[dtype],
+        memory,
+        offset=tensor.storage_offset(),
+        strides=(tensor.stride(0), size),
+    )
 
 
 class CPUExecutor:
