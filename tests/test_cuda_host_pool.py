@@ -3,9 +3,11 @@ several threads, and a pageable fallback when pinning fails."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import mmap
+import sys
 import threading
 import time
 
@@ -146,3 +148,27 @@ def test_an_interleaved_pool_serves_the_cpu_executor_too():
             assert_state(
                 lay, pool, expected_after(lay, pool, before, store, [4, 1, 7], [2, 1], [0, 0], [5, 0, 2])
             )
+
+
+def _resident_pages(ptr: int, nbytes: int) -> tuple[int, int]:
+    """(resident, total) pages of ``[ptr, ptr + nbytes)``, from the kernel's ``mincore``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec), pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore via the C library")
+@pytest.mark.parametrize("prefault", [True, False])
+def test_a_pageable_pool_is_faulted_in_at_construction(prefault):
+    # A store into a page never touched pays the fault and the kernel's zeroing (several
+    # times the copy itself); the pool pays it once, up front, unless asked not to.
+    pool = HostBlockPool(layout(), 40_000, pin_memory=False, prefault=prefault)
+    resident, pages = _resident_pages(pool.region.data_ptr(), pool.nbytes)
+    assert pages > 500
+    if prefault:
+        assert resident == pages
+    else:
+        assert resident < pages // 2
