@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
-from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
+from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine, native
 from kvoffload.transfer.copy_pool import CopyPool
+from kvoffload.transfer.cpu_executor import CPUExecutor
 
 LAYERS = 32
 JOB_BLOCKS = 64
@@ -67,7 +68,13 @@ def job_ids(pattern: str, f: int, rng: np.random.Generator) -> tuple[np.ndarray,
 
 
 def bench_case(
-    page: int, f: int, pattern: str, reps: int, rng: np.random.Generator, copies: CopyPool
+    page: int,
+    f: int,
+    pattern: str,
+    reps: int,
+    rng: np.random.Generator,
+    copies: CopyPool,
+    copiers: list[bool],
 ) -> list[dict]:
     kv = {f"layer{i}": torch.full((DEVICE_BLOCKS, page), i, dtype=torch.uint8) for i in range(LAYERS)}
     layout = KVLayout.from_layer_tensors(kv)
@@ -81,7 +88,15 @@ def bench_case(
     src64, dst64 = src.view(torch.int64).numpy(), dst.view(torch.int64).numpy()
     slices = [(dst64[i : i + step // 8], src64[i : i + step // 8]) for i in range(0, nbytes // 8, step // 8)]
     rows = {"store": [], "load": []}
-    with TransferEngine(layout, pool, copy_threads=copies.threads) as engine:
+    engines = [
+        TransferEngine(
+            layout,
+            pool,
+            executor=CPUExecutor(layout, pool, copy_threads=copies.threads, native_copies=native),
+        )
+        for native in copiers
+    ]
+    try:
         job_id = 0
         for _ in range(reps + 1):  # the first repetition warms up and is dropped
             for direction in ("store", "load"):
@@ -96,15 +111,20 @@ def bench_case(
                 t0 = time.perf_counter()
                 copies.run(slices, _slice_copy)
                 pool_copy = time.perf_counter() - t0
-                evict_caches()
-                t0 = time.perf_counter()
-                engine.submit(job_id, *((device, host) if direction == "store" else (host, device)))
-                engine.wait([job_id])
-                job = time.perf_counter() - t0
-                (result,) = engine.poll()
-                assert result.success and result.bytes == nbytes, result
-                job_id += 1
-                rows[direction].append((torch_copy, pool_copy, job))
+                jobs = []
+                for engine in engines:
+                    evict_caches()
+                    t0 = time.perf_counter()
+                    engine.submit(job_id, *((device, host) if direction == "store" else (host, device)))
+                    engine.wait([job_id])
+                    jobs.append(time.perf_counter() - t0)
+                    (result,) = engine.poll()
+                    assert result.success and result.bytes == nbytes, result
+                    job_id += 1
+                rows[direction].append((torch_copy, pool_copy, jobs))
+    finally:
+        for engine in engines:
+            engine.close()
     out = []
     for direction, samples in rows.items():
         samples = samples[1:]
@@ -117,8 +137,13 @@ def bench_case(
                 "mb": nbytes / 2**20,
                 "torch_gbs": nbytes / statistics.median(s[0] for s in samples) / 1e9,
                 "pool_gbs": nbytes / statistics.median(s[1] for s in samples) / 1e9,
-                "job_gbs": nbytes / statistics.median(s[2] for s in samples) / 1e9,
-                "ratio": statistics.median(min(s[0], s[1]) / s[2] for s in samples),
+                "jobs": [
+                    (
+                        nbytes / statistics.median(s[2][i] for s in samples) / 1e9,
+                        statistics.median(min(s[0], s[1]) / s[2][i] for s in samples),
+                    )
+                    for i in range(len(copiers))
+                ],
             }
         )
     return out
@@ -129,7 +154,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="fewer shapes, 3 repetitions")
     parser.add_argument("--pages", help="page sizes in KiB, comma separated (default 128,64,16,4)")
+    parser.add_argument(
+        "--copier",
+        choices=("native", "numpy", "both"),
+        default="both" if native.AVAILABLE else "numpy",
+        help="the CPU executor's copier: kvoffload.transfer.native, numpy, or both side by side",
+    )
     args = parser.parse_args()
+    copiers = {"native": [True], "numpy": [False], "both": [True, False]}[args.copier]
+    names = ["native" if c else "numpy" for c in copiers]
     reps = 3 if args.quick else args.reps
     pages = [128 << 10, 64 << 10, 16 << 10, 4 << 10]
     if args.quick:
@@ -144,21 +177,19 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
         f"{LAYERS} layers x {JOB_BLOCKS} blocks per job, median of {reps}\n"
     )
-    print(
-        "| direction | ids | page | F | job MiB | torch copy GB/s | pool copy GB/s | job GB/s "
-        "| job / faster copy |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    job_heads = "".join(f" {n} job GB/s | {n} job / faster copy |" for n in names)
+    print(f"| direction | ids | page | F | job MiB | torch copy GB/s | pool copy GB/s |{job_heads}")
+    print("|---" * (7 + 2 * len(names)) + "|")
     copies = CopyPool(threads, "bench-copy")
     try:
         for page in pages:
             for f in (1, 4):
                 for pattern in PATTERNS:
-                    for row in bench_case(page, f, pattern, reps, rng, copies):
+                    for row in bench_case(page, f, pattern, reps, rng, copies, copiers):
+                        jobs = "".join(f" {gbs:.1f} | {ratio:.2f} |" for gbs, ratio in row["jobs"])
                         print(
                             f"| {row['direction']} | {row['pattern']} | {row['page'] >> 10} KiB | {row['f']} "
-                            f"| {row['mb']:.0f} | {row['torch_gbs']:.1f} | {row['pool_gbs']:.1f} "
-                            f"| {row['job_gbs']:.1f} | {row['ratio']:.2f} |",
+                            f"| {row['mb']:.0f} | {row['torch_gbs']:.1f} | {row['pool_gbs']:.1f} |{jobs}",
                             flush=True,
                         )
     finally:

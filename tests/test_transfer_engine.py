@@ -15,7 +15,9 @@ from kvoffload.transfer import (
     HostBlockPool,
     KVLayout,
     TransferEngine,
+    native,
 )
+from kvoffload.transfer.cpu_executor import CPUExecutor
 from transfer_oracle import (
     assert_state,
     distinct,
@@ -29,7 +31,24 @@ NUM_DEVICE = 32
 NUM_HOST = 16
 
 
-def make_setup(layout_kind: str, f: int, seed: int = 0, chunk_bytes: int = 1 << 20):
+COPIERS = pytest.mark.parametrize(
+    "native_copies",
+    [
+        pytest.param(
+            True,
+            id="native",
+            marks=pytest.mark.skipif(
+                not native.AVAILABLE, reason="could not import kvoffload.transfer._rowcopy"
+            ),
+        ),
+        pytest.param(False, id="numpy"),
+    ],
+)
+
+
+def make_setup(
+    layout_kind: str, f: int, seed: int = 0, chunk_bytes: int = 1 << 20, native_copies: bool | None = None
+):
     gen = torch.Generator().manual_seed(seed)
     if layout_kind == "per_layer":
         caches, groups = three_group_layer_caches(NUM_DEVICE, gen)
@@ -55,7 +74,8 @@ def make_setup(layout_kind: str, f: int, seed: int = 0, chunk_bytes: int = 1 << 
     pool = HostBlockPool(layout, NUM_HOST, blocks_per_offload_block=f)
     for t in pool.tensors:
         randomize(t, gen)
-    return layout, pool, TransferEngine(layout, pool, chunk_bytes=chunk_bytes)
+    executor = CPUExecutor(layout, pool, chunk_bytes, native_copies=native_copies)
+    return layout, pool, TransferEngine(layout, pool, executor=executor)
 
 
 def run_job(engine, layout, pool, store, device_ids, sizes, indices, host_ids, job_id=1):
@@ -79,8 +99,9 @@ def run_job(engine, layout, pool, store, device_ids, sizes, indices, host_ids, j
 @pytest.mark.parametrize("f", [1, 4])
 @pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
-def test_three_groups_and_an_empty_one(layout_kind, f, store, aligned):
-    layout, pool, engine = make_setup(layout_kind, f)
+@COPIERS
+def test_three_groups_and_an_empty_one(layout_kind, f, store, aligned, native_copies):
+    layout, pool, engine = make_setup(layout_kind, f, native_copies=native_copies)
     rng = np.random.default_rng(f * 10 + store)
     # Group 3 takes no part in the job; groups 0..2 have different page sizes.
     sizes = [6, 3, 5, 0]
@@ -102,10 +123,13 @@ def test_small_chunks_split_large_jobs():
 @pytest.mark.parametrize("pattern", ["fresh_host", "consecutive", "scattered"])
 @pytest.mark.parametrize("f", [1, 4])
 @pytest.mark.parametrize("chunk_bytes", [1, 1 << 20], ids=["row_chunks", "big_chunks"])
-def test_id_patterns_store_and_load(pattern, f, chunk_bytes):
+@COPIERS
+def test_id_patterns_store_and_load(pattern, f, chunk_bytes, native_copies):
     # Consecutive host ids (a fresh pool) make stores gather into one run and loads
     # scatter from one; consecutive device ids too make plain slice copies.
-    layout, pool, engine = make_setup("per_layer", f, seed=f, chunk_bytes=chunk_bytes)
+    layout, pool, engine = make_setup(
+        "per_layer", f, seed=f, chunk_bytes=chunk_bytes, native_copies=native_copies
+    )
     rng = np.random.default_rng(f)
     sizes, indices = [12, 0, 0, 0], [0, 0, 0, 0]
     spans = 12 // f
@@ -153,8 +177,9 @@ def test_results_in_submission_order_per_direction():
     assert all(r.success and r.seconds >= 0 for r in results)
 
 
-def test_copy_error_fails_only_that_job():
-    layout, pool, engine = make_setup("per_layer", 1)
+@COPIERS
+def test_copy_error_fails_only_that_job(native_copies):
+    layout, pool, engine = make_setup("per_layer", 1, native_copies=native_copies)
     before = snapshot(layout, pool)
     # Release the memory behind one group-1 layer: copying from it raises.
     layout.tensors[layout.groups[1][0]].untyped_storage().resize_(0)
@@ -170,10 +195,11 @@ def test_copy_error_fails_only_that_job():
         assert torch.equal(pool.tensors[t][4], before[0][t][5])
 
 
-def test_memory_released_after_jobs_ran_fails_the_next_job():
+@COPIERS
+def test_memory_released_after_jobs_ran_fails_the_next_job(native_copies):
     """The executor's views must not pin the storage: torch can still release it after
     jobs have copied through it, and the next job fails instead of touching freed memory."""
-    layout, pool, engine = make_setup("per_layer", 1)
+    layout, pool, engine = make_setup("per_layer", 1, native_copies=native_copies)
     released = layout.tensors[layout.groups[1][0]]
     with engine:
         engine.submit(1, DeviceLoadStoreSpec([0], [0, 1, 0, 0], [0] * 4), CPULoadStoreSpec([0]))

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvoffload.transfer.copy_pool import CopyPool
-from kvoffload.transfer.row_plan import apply_unit, plan_copies
+from kvoffload.transfer.row_plan import apply_unit, plan_copies, plan_runs
 
 ROWS = 40
 
@@ -126,7 +126,44 @@ def test_plans_work_on_strided_rows():
 def test_plan_rejects_mismatched_rows():
     with pytest.raises(ValueError, match="3 source rows for 2 destination rows"):
         plan_copies(np.arange(3), np.arange(2), 4)
+    with pytest.raises(ValueError, match="3 source rows for 2 destination rows"):
+        plan_runs(np.arange(3), np.arange(2), 4)
     assert plan_copies(np.arange(0), np.arange(0), 4) == []
+    assert plan_runs(np.arange(0), np.arange(0), 4) == []
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(row_pairs())
+def test_run_plans_copy_exactly_the_requested_rows(case):
+    src_rows, dst_rows, unit_rows, op_rows = case
+    rng = np.random.default_rng(len(src_rows))
+    src = rng.integers(0, 2**62, (ROWS, 3), dtype=np.int64)
+    dst = rng.integers(0, 2**62, (ROWS, 3), dtype=np.int64)
+    want = dst.copy()
+    want[dst_rows] = src[src_rows]
+    cap = unit_rows if op_rows is None else min(op_rows, unit_rows)
+    seen: list[int] = []
+    for s_first, d_first, rows in plan_runs(src_rows, dst_rows, unit_rows, op_rows):
+        assert rows.min() >= 1 and rows.max() <= cap
+        assert rows.sum() < unit_rows + cap  # a unit overshoots by less than one run
+        for s0, d0, n in zip(s_first.tolist(), d_first.tolist(), rows.tolist()):
+            dst[d0 : d0 + n] = src[s0 : s0 + n]
+            seen.extend(range(d0, d0 + n))
+    np.testing.assert_array_equal(dst, want)
+    assert len(seen) == len(set(seen)) == len(dst_rows)  # units share no destination row
+
+
+def test_run_plans_join_rows_consecutive_on_both_sides_only():
+    # 0..3 -> 10..13 is one run; 7 -> 14 and 5 -> 15 continue the destination but not
+    # the source; 8, 9 -> 2, 3 is a run of two.
+    units = plan_runs(np.array([0, 1, 2, 3, 7, 5, 8, 9]), np.array([10, 11, 12, 13, 14, 15, 2, 3]), 100)
+    ((s_first, d_first, rows),) = units
+    assert list(zip(s_first.tolist(), d_first.tolist(), rows.tolist())) == [
+        (8, 2, 2),
+        (0, 10, 4),
+        (7, 14, 1),
+        (5, 15, 1),
+    ]
 
 
 @pytest.mark.parametrize("threads", [1, 2, 5])

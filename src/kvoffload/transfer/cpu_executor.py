@@ -6,22 +6,25 @@ build). It implements ``kvoffload.transfer.executor.Executor``: a job arrives as
 spent, or raises, in which case the job's destination rows are unspecified and nothing
 else is touched.
 
-How: each piece's row pairs become a plan of bulk numpy copies (``row_plan``: one gather,
-scatter or slice copy per run of consecutive rows, cut into units of about
-``chunk_bytes``), and the units of all pieces are shared out over a ``CopyPool`` (the
-calling worker thread plus helpers). Tensors of one KV-cache group receive the same row
-arrays, so a per-layer layout plans once per group, not once per layer. Rows are viewed
-as the widest integer type that divides the page, which numpy copies fastest.
+How: each piece's row pairs become units of about ``chunk_bytes`` of work, shared out
+over a ``CopyPool`` (the calling worker thread plus helpers). Tensors of one KV-cache
+group receive the same row arrays, so a per-layer layout plans once per group, not once
+per layer. Two copiers:
 
-Why numpy and not torch: on one thread, numpy's ``take`` and fancy assignment copied
-64-128 KiB rows at contiguous-copy speed, where ``index_copy_`` reached about half of it;
-and torch ops above its grain size enter its intra-op pool (see ``copy_pool``). Why not
-``np.take``'s default mode: see ``row_plan.apply_unit``.
+* native (default when built, ``kvoffload.transfer.native``): a unit is a list of byte
+  ranges (``row_plan.plan_runs``: rows consecutive on both sides join into one range)
+  copied by one C call without the GIL, with streaming stores on x86-64. A pair of rows
+  scattered on both sides costs one range, not one Python-level call.
+* numpy (without a C compiler at install): one gather, scatter or slice copy per run of
+  consecutive rows (``row_plan.plan_copies``), rows viewed as the widest integer type
+  that divides the page. On one thread numpy's ``take`` and fancy assignment copied
+  64-128 KiB rows at contiguous-copy speed, where ``index_copy_`` reached about half of
+  it; and torch ops above its grain size enter its intra-op pool (see ``copy_pool``).
 
 Freed memory: a tensor whose storage was released or shrunk (e.g. the engine tore its KV
 cache down) fails every job that starts afterwards, instead of being read or written
-through a stale pointer (the numpy views are made per job from the storage's address, so
-torch can still release it). Releasing memory while a job is copying it is the caller's
+through a stale pointer (nothing here holds the storage: addresses and numpy views are
+taken per job, so torch can still release it). Releasing memory while a job is copying it is the caller's
 error, as with any copy in flight.
 """
 
@@ -35,11 +38,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvoffload.transfer import native
 from kvoffload.transfer.copy_pool import CopyPool
 from kvoffload.transfer.executor import Piece
 from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
-from kvoffload.transfer.row_plan import Unit, apply_unit, plan_copies
+from kvoffload.transfer.row_plan import Unit, apply_unit, plan_copies, plan_runs
 from kvoffload.validation import positive_int
 
 _OP_BYTES = 256 << 10  # largest single copy; see row_plan on glibc's memcpy
@@ -59,6 +63,16 @@ def widest_view_dtype(*tensors: torch.Tensor) -> torch.dtype:
     raise AssertionError("uint8 views always exist")
 
 
+def check_backed(tensor: torch.Tensor, name: str) -> tuple[int, int]:
+    """``tensor``'s (rows, row bytes), or ``RuntimeError`` naming it when its storage no
+    longer holds every row (released or shrunk): copying would touch freed memory."""
+    rows, width = tensor.shape
+    end = tensor.storage_offset() + (rows - 1) * tensor.stride(0) + width
+    if rows and end > tensor.untyped_storage().nbytes():
+        raise RuntimeError(f"{name}: its memory was released or shrunk")
+    return rows, width
+
+
 _NUMPY_TYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.uint8: np.uint8}
 
 
@@ -70,11 +84,8 @@ def numpy_rows(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> np.ndarra
     The array is built from the storage's address, not with ``Tensor.numpy()``: that call
     marks the storage as shared with numpy for good, after which torch refuses to release
     or shrink it, and this check could never fire again."""
-    rows, width = tensor.shape
+    rows, width = check_backed(tensor, name)
     storage = tensor.untyped_storage()
-    end = tensor.storage_offset() + (rows - 1) * tensor.stride(0) + width
-    if rows and end > storage.nbytes():
-        raise RuntimeError(f"{name}: its memory was released or shrunk")
     size = dtype.itemsize
     memory = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
     return np.ndarray(
@@ -87,7 +98,7 @@ def numpy_rows(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> np.ndarra
 
 
 class CPUExecutor:
-    """Bulk numpy row copies on our own small thread pool."""
+    """Bulk row copies (native or numpy) on our own small thread pool."""
 
     def __init__(
         self,
@@ -95,11 +106,19 @@ class CPUExecutor:
         pool: HostBlockPool,
         chunk_bytes: int = 1 << 20,
         copy_threads: int | None = None,
+        native_copies: bool | None = None,
     ) -> None:
         """``chunk_bytes``: about how many bytes one thread copies per unit of work (at
         least one row). ``copy_threads``: threads copying one job, the caller included
-        (default: CPU count, at most 8); stores and loads share the helpers."""
+        (default: CPU count, at most 8); stores and loads share the helpers.
+        ``native_copies`` (default: when built) copies through ``kvoffload.transfer.native``
+        instead of numpy."""
         positive_int("chunk_bytes", chunk_bytes)
+        if native_copies is None:
+            native_copies = native.AVAILABLE
+        elif native_copies and not native.AVAILABLE:
+            raise ValueError("native_copies=True, but kvoffload.transfer._rowcopy was not built")
+        self.native_copies = bool(native_copies)
         self.layout, self.pool = layout, pool
         self.chunk_bytes = chunk_bytes
         self.dtypes = [
@@ -119,6 +138,33 @@ class CPUExecutor:
 
     def run(self, store: bool, pieces: Sequence[Piece], state=None, ready=None) -> float:
         start = time.perf_counter()
+        if self.native_copies:
+            self._run_native(store, pieces)
+        else:
+            self._run_numpy(store, pieces)
+        return time.perf_counter() - start
+
+    def _run_native(self, store: bool, pieces: Sequence[Piece]) -> None:
+        plans: dict[tuple[int, ...], list[native.ByteRuns]] = {}
+        tasks: list[tuple[int, int, native.ByteRuns]] = []
+        for tensor, device_rows, host_rows in pieces:
+            name = self.layout.names[tensor]
+            device, host = self.layout.tensors[tensor], self.pool.sub_blocks(tensor)
+            # Checked per job: a released tensor fails this job rather than being
+            # read or written after free.
+            _, page = check_backed(device, name)
+            check_backed(host, f"host {name}")
+            src, dst = (device, host) if store else (host, device)
+            src_rows, dst_rows = (device_rows, host_rows) if store else (host_rows, device_rows)
+            # The pieces keep these arrays alive for the whole call, so ids are stable keys.
+            key = (id(src_rows), id(dst_rows), page, src.stride(0), dst.stride(0))
+            if key not in plans:
+                units = plan_runs(src_rows, dst_rows, self.chunk_bytes // max(page, 1))
+                plans[key] = [native.ByteRuns.of(u, src.stride(0), dst.stride(0), page) for u in units]
+            tasks.extend((dst.data_ptr(), src.data_ptr(), runs) for runs in plans[key])
+        self._copies.run(tasks, native.copy)
+
+    def _run_numpy(self, store: bool, pieces: Sequence[Piece]) -> None:
         plans: dict[tuple[int, int, int], list[Unit]] = {}
         tasks: list[tuple[np.ndarray, np.ndarray, Unit]] = []
         for tensor, device_rows, host_rows in pieces:
@@ -135,7 +181,6 @@ class CPUExecutor:
             src, dst = (device, host) if store else (host, device)
             tasks.extend((src, dst, unit) for unit in plans[key])
         self._copies.run(tasks, apply_unit)
-        return time.perf_counter() - start
 
     def _views(self, tensor: int) -> tuple[np.ndarray, np.ndarray]:
         name, dtype = self.layout.names[tensor], self.dtypes[tensor]

@@ -109,3 +109,41 @@ def apply_unit(src: np.ndarray, dst: np.ndarray, unit: Unit) -> None:
             np.take(src, s, axis=0, out=dst[d], mode="clip")
         else:
             dst[d] = src[s]
+
+
+# One unit of runs: (first source row, first destination row, rows) per run, int64 arrays.
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def plan_runs(
+    src_rows: np.ndarray, dst_rows: np.ndarray, unit_rows: int, op_rows: int | None = None
+) -> list[Runs]:
+    """Units of *runs* that together copy ``src[src_rows[i]]`` to ``dst[dst_rows[i]]``:
+    a run is rows consecutive on both sides, at most ``op_rows`` (default ``unit_rows``)
+    of them; a pair scattered on both sides is a run of one row. Units hold about
+    ``unit_rows`` rows (a unit may exceed it by less than one run), touch disjoint
+    destination rows and are in destination order. For a copier that takes many byte
+    ranges per call (``kvoffload.transfer.native``), where the number of runs, not the
+    number of calls, is what a scattered pattern costs. Computed without a Python loop."""
+    src_rows = np.asarray(src_rows, dtype=np.int64)
+    dst_rows = np.asarray(dst_rows, dtype=np.int64)
+    if len(src_rows) != len(dst_rows):
+        raise ValueError(f"{len(src_rows)} source rows for {len(dst_rows)} destination rows")
+    if not len(dst_rows):
+        return []
+    unit_rows = max(1, int(unit_rows))
+    op_rows = unit_rows if op_rows is None else max(1, min(int(op_rows), unit_rows))
+    order = np.argsort(dst_rows, kind="stable")
+    src, dst = src_rows[order], dst_rows[order]
+    joined = (np.diff(src) == 1) & (np.diff(dst) == 1)
+    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+    lengths = np.diff(np.append(starts, len(dst)))
+    if lengths.max() > op_rows:  # cut long runs into pieces of at most op_rows
+        pieces = -(-lengths // op_rows)
+        first_piece = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        piece_starts = np.repeat(starts, pieces) + (np.arange(len(first_piece)) - first_piece) * op_rows
+        lengths = np.minimum(op_rows, np.repeat(starts + lengths, pieces) - piece_starts)
+        starts = piece_starts
+    unit_of = (np.cumsum(lengths) - lengths) // unit_rows
+    cuts = np.flatnonzero(np.diff(unit_of)) + 1
+    return list(zip(np.split(src[starts], cuts), np.split(dst[starts], cuts), np.split(lengths, cuts)))
