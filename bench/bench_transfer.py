@@ -18,9 +18,14 @@ and timed alternately with the jobs so all see the same machine load: torch's
 ``dst.copy_(src)`` on its intra-op threads, and the same copy cut into 1 MiB int64
 slices run on a ``CopyPool`` with the engine's thread count (what the executor itself
 uses). The ratio is the median over repetitions of (faster baseline) / job, so a
-baseline that stumbles on a busy machine cannot flatter the jobs. Before every timed
-copy a scratch buffer twice the size of a large L3 is written, so jobs of a few MiB and
-their baseline all start from cold caches. Prints a markdown table.
+baseline that stumbles on a busy machine cannot flatter the jobs. Both baselines use plain
+stores; the native copier streams, so a third contiguous copy, through the native copier
+in 1 MiB ranges, is printed beside them (not in the ratio): it tells how much of a job's
+speed is the stores and how much its pattern costs. ``--copier both`` (the default when
+the native copier is built) times jobs through it and through numpy side by side, with a
+ratio each. Before every timed copy a scratch buffer twice the size of a large L3 is
+written, so jobs of a few MiB and their baseline all start from cold caches. Prints a
+markdown table.
 """
 
 from __future__ import annotations
@@ -87,6 +92,12 @@ def bench_case(
     step = 1 << 20  # the executor's default unit of work
     src64, dst64 = src.view(torch.int64).numpy(), dst.view(torch.int64).numpy()
     slices = [(dst64[i : i + step // 8], src64[i : i + step // 8]) for i in range(0, nbytes // 8, step // 8)]
+    # The same contiguous copy through the native copier (streaming stores): what a job's
+    # scattered ranges cost against contiguous ones with the same stores.
+    ranges = [
+        (dst.data_ptr(), src.data_ptr(), native.ByteRuns([i], [i], [min(step, nbytes - i)]))
+        for i in range(0, nbytes, step)
+    ]
     rows = {"store": [], "load": []}
     engines = [
         TransferEngine(
@@ -111,6 +122,12 @@ def bench_case(
                 t0 = time.perf_counter()
                 copies.run(slices, _slice_copy)
                 pool_copy = time.perf_counter() - t0
+                native_copy = float("nan")
+                if native.AVAILABLE:
+                    evict_caches()
+                    t0 = time.perf_counter()
+                    copies.run(ranges, native.copy)
+                    native_copy = time.perf_counter() - t0
                 jobs = []
                 for engine in engines:
                     evict_caches()
@@ -121,7 +138,7 @@ def bench_case(
                     (result,) = engine.poll()
                     assert result.success and result.bytes == nbytes, result
                     job_id += 1
-                rows[direction].append((torch_copy, pool_copy, jobs))
+                rows[direction].append((torch_copy, pool_copy, jobs, native_copy))
     finally:
         for engine in engines:
             engine.close()
@@ -137,6 +154,7 @@ def bench_case(
                 "mb": nbytes / 2**20,
                 "torch_gbs": nbytes / statistics.median(s[0] for s in samples) / 1e9,
                 "pool_gbs": nbytes / statistics.median(s[1] for s in samples) / 1e9,
+                "native_gbs": nbytes / statistics.median(s[3] for s in samples) / 1e9,
                 "jobs": [
                     (
                         nbytes / statistics.median(s[2][i] for s in samples) / 1e9,
@@ -178,8 +196,11 @@ def main() -> None:
         f"{LAYERS} layers x {JOB_BLOCKS} blocks per job, median of {reps}\n"
     )
     job_heads = "".join(f" {n} job GB/s | {n} job / faster copy |" for n in names)
-    print(f"| direction | ids | page | F | job MiB | torch copy GB/s | pool copy GB/s |{job_heads}")
-    print("|---" * (7 + 2 * len(names)) + "|")
+    print(
+        f"| direction | ids | page | F | job MiB | torch copy GB/s | pool copy GB/s |{job_heads}"
+        " streaming copy GB/s |"
+    )
+    print("|---" * (8 + 2 * len(names)) + "|")
     copies = CopyPool(threads, "bench-copy")
     try:
         for page in pages:
@@ -189,7 +210,8 @@ def main() -> None:
                         jobs = "".join(f" {gbs:.1f} | {ratio:.2f} |" for gbs, ratio in row["jobs"])
                         print(
                             f"| {row['direction']} | {row['pattern']} | {row['page'] >> 10} KiB | {row['f']} "
-                            f"| {row['mb']:.0f} | {row['torch_gbs']:.1f} | {row['pool_gbs']:.1f} |{jobs}",
+                            f"| {row['mb']:.0f} | {row['torch_gbs']:.1f} | {row['pool_gbs']:.1f} |{jobs}"
+                            f" {row['native_gbs']:.1f} |",
                             flush=True,
                         )
     finally:
