@@ -15,12 +15,19 @@ request for ``request_finished`` (with the manager's ``on_request_finished``).
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import statistics
 import sys
+import tempfile
 import time
 
 from kvoffload.cpu import CPUOffloadingManager
-from kvoffload.keys import BlockHasher
+from kvoffload.keys import BlockHasher, make_offload_key
 from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
+from kvoffload.tiers.fs.format import Geometry
+from kvoffload.tiers.fs.manager import FSOffloadingManager
+from kvoffload.tiers.tiered import TieredOffloadingManager
 
 BLOCK = 16
 
@@ -73,19 +80,46 @@ def run(sched: OffloadingScheduler, requests: list[Request], decode: int) -> dic
     }
 
 
+def sched_keys(request: Request) -> list:
+    return [make_offload_key(h, 0) for h in request.block_hashes]
+
+
+def lookup_ns(manager, keys: list) -> float:
+    """Nanoseconds per ``manager.lookup`` over ``keys`` (their hashes cached, as the
+    scheduler's are; median of 3 passes). Use many keys: a few hundred would sit in the
+    CPU's caches after the first pass, which the scheduler's lookups do not."""
+    for key in keys:
+        hash(key)
+    lookup = manager.lookup
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for key in keys:
+            lookup(key)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / len(keys) * 1e9
+
+
+def make_manager(kind: str, blocks: int, folder: str):
+    """A CPU tier of ``blocks`` blocks, alone (``cpu``) or over a disk tier (``cpu+fs``)."""
+    cpu = CPUOffloadingManager(blocks, "lru", enable_events=True)
+    if kind == "cpu":
+        return cpu
+    disk = FSOffloadingManager(folder, "bench", 4096, 4 * blocks * Geometry(4096).stored_block_bytes)
+    return TieredOffloadingManager(cpu, [disk])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3, help="runs per manager, taken in turns")
     args = parser.parse_args()
-    if min(args.requests, args.prompt, args.decode) <= 0:
-        parser.error("--requests, --prompt and --decode must be positive")
+    if min(args.requests, args.prompt, args.decode, args.reps) <= 0:
+        parser.error("--requests, --prompt, --decode and --reps must be positive")
     hasher = BlockHasher()
-    manager = CPUOffloadingManager(
-        args.requests * (args.prompt + args.decode) // BLOCK * 2, "lru", enable_events=True
-    )
-    sched = OffloadingScheduler(manager, [KVGroup(BLOCK)], hash_block_size=BLOCK, kv_events="self_describing")
+    blocks = args.requests * (args.prompt + args.decode) // BLOCK * 2
 
     def batch(seed: int) -> list[Request]:
         return [
@@ -97,19 +131,47 @@ def main() -> int:
             for i in range(args.requests)
         ]
 
-    cold = run(sched, batch(1), args.decode)
-    events = len(sched.take_events())
-    warm = run(sched, batch(1)[: args.requests // 2] + batch(2)[: args.requests // 2], args.decode)
+    kinds = ("cpu", "cpu+fs")
+    results: dict[str, list[tuple[dict, dict]]] = {k: [] for k in kinds}
+    events = 0
+    with tempfile.TemporaryDirectory() as folder:
+        for rep in range(args.reps):
+            for kind in kinds:
+                manager = make_manager(kind, blocks, os.path.join(folder, f"{kind}-{rep}"))
+                sched = OffloadingScheduler(
+                    manager, [KVGroup(BLOCK)], hash_block_size=BLOCK, kv_events="self_describing"
+                )
+                cold = run(sched, batch(1), args.decode)
+                events = len(sched.take_events())
+                warm = run(
+                    sched, batch(1)[: args.requests // 2] + batch(2)[: args.requests // 2], args.decode
+                )
+                stored = [k for r in batch(1)[:96] for k in sched_keys(r)[2:]]
+                absent = [k for r in batch(3)[:96] for k in sched_keys(r)[2:]]  # 2 are shared
+                cold["lookup of a stored key, ns"] = lookup_ns(manager, stored)
+                cold["lookup that misses every tier, ns"] = lookup_ns(manager, absent)
+                results[kind].append((cold, warm))
+                manager.close()
     print(
         f"{args.requests} requests x {args.prompt} prompt tokens, {args.decode} decode steps, "
-        "16-token blocks; "
-        f"{events} wire events from the first batch"
+        f"16-token blocks; {events} wire events from the first batch; median of {args.reps} runs "
+        f"per manager, taken in turns; load average {os.getloadavg()[0]:.2f}"
     )
     print()
-    print("| phase | first batch (all miss) | second batch (half hit) |")
-    print("|---|---:|---:|")
-    for key in cold:
-        print(f"| {key} | {cold[key]:.1f} | {warm[key]:.1f} |")
+    print(
+        "| phase | CPU tier: first batch (all miss) | second batch (half hit) "
+        "| CPU + disk tier: first batch | second batch | CPU + disk / CPU, first batch |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for key in results["cpu"][0][0]:
+        cells = []
+        for kind in kinds:
+            for i in (0, 1):
+                values = [r[i].get(key, math.nan) for r in results[kind]]
+                cells.append(statistics.median(values))
+        ratio = cells[2] / cells[0]
+        cells = [f"{c:.1f}" if not math.isnan(c) else "" for c in cells] + [f"{ratio:.2f}"]
+        print(f"| {key} | " + " | ".join(cells) + " |")
     return 0
 
 
