@@ -28,6 +28,8 @@ Contract:
 * ``stats()`` counts: ``decoded`` = ``live`` + ``replayed`` batches delivered, ``lost``,
   ``malformed``, ``duplicates`` (already delivered, skipped), ``restarts``,
   ``replay_requests``, ``replay_timeouts`` (requests no replay answered in time).
+* ``decoder`` turns a payload into a batch, raising ``EventDecodeError`` for one that is
+  not (default ``kvoffload.events.codec.decode``; a consumer may decode lazily).
 * ``receive_delivery(timeout)`` is ``receive`` for consumers that keep state derived from
   the stream (an index): each ``Delivery`` also says in which publisher lifetime it was
   sent (``epoch``, the restarts seen before it), how many batches of that lifetime before
@@ -39,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -104,6 +106,7 @@ class EventSubscriber:
         hwm: int = 100_000,
         data_parallel_rank: int = 0,
         context: zmq.Context | None = None,
+        decoder: Callable[[bytes], KVEventBatch] = decode,
     ) -> None:
         if not isinstance(topic, str):
             raise ValueError(f"topic must be a str, got {topic!r}")
@@ -120,6 +123,7 @@ class EventSubscriber:
         self._start_seq = start_seq
         self._replay_timeout_ms = int(replay_timeout * 1000)
         self._ctx = context or zmq.Context.instance()
+        self._decoder = decoder
         self._expected: int | None = start_seq  # next sequence number to deliver
         self._last_live: int | None = None
         self._ready: deque[Delivery] = deque()
@@ -274,7 +278,7 @@ class EventSubscriber:
 
     def _decode(self, payload: bytes, seq: str) -> KVEventBatch | None:
         try:
-            return decode(payload)
+            return self._decoder(payload)
         except EventDecodeError as exc:
             self._stats.malformed += 1
             logger.warning("skipping KV event message (sequence frame %s): %s", seq, exc)

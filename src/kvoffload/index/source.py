@@ -4,9 +4,10 @@ Contract:
 
 * ``EventSource(index, engine, endpoint, replay_endpoint)`` subscribes to one publisher
   (``kvoffload.events.EventSubscriber``, from sequence 0: a late joiner backfills by
-  replay) and applies every delivered batch to ``engine`` in ``index``, in order, on its
-  own thread (``start``/``stop``). The endpoints are the publisher's own (no data-parallel
-  offset is derived: register each rank's endpoint).
+  replay; token ids decoded lazily, ``kvoffload.index.wire``) and applies every delivered
+  batch to ``engine`` in ``index``, in order, on its own thread (``start``/``stop``). The
+  endpoints are the publisher's own (no data-parallel offset is derived: register each
+  rank's endpoint).
 * State (``kvoffload.index.state``), kept on the engine so queries report it:
 
   - ``FALLBACK`` until the publisher is heard from: a first batch, or a replay answer
@@ -38,6 +39,7 @@ from kvoffload.events.subscriber import Delivery, EventSubscriber
 from kvoffload.index.core import BlockIndex
 from kvoffload.index.space import Engine
 from kvoffload.index.state import SourceState
+from kvoffload.index.wire import decode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,13 @@ class EventSource:
         self.index = index
         self.engine = engine
         self._sub = EventSubscriber(
-            endpoint, replay_endpoint, topic, start_seq=0, replay_timeout=replay_timeout, context=context
+            endpoint,
+            replay_endpoint,
+            topic,
+            start_seq=0,
+            replay_timeout=replay_timeout,
+            context=context,
+            decoder=decode_batch,
         )
         self.endpoint = self._sub.endpoint
         self.replay_endpoint = self._sub.replay_endpoint

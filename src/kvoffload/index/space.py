@@ -8,11 +8,12 @@ Contract:
 * ``apply(engine, events, stats)`` applies one batch of wire events of ``engine``, in
   order, and returns whether the batch held an ``AllBlocksCleared``:
 
-  - ``BlockStored``: its hashes become held by the engine in the event's tier
-    (``kvoffload.index.tiers.tier_of``), in the table of (``lora_name``, ``group_idx``
-    or 0); its ``block_size``, a multiple of the registered one, sets that holder's
-    stride (0, a placeholder, keeps it); its kind and window describe the group; its
-    token ids, if any, are learned (``kvoffload.index.tokens``).
+  - ``BlockStored`` (or ``kvoffload.index.wire.LazyBlockStored``): its hashes become
+    held by the engine in the event's tier (``kvoffload.index.tiers.tier_of``), in the
+    table of (``lora_name``, ``group_idx`` or 0); its ``block_size``, a multiple of the
+    registered one, sets that holder's stride (0, a placeholder, keeps it); its kind and
+    window describe the group; its token ids, if any, are learned
+    (``kvoffload.index.tokens``).
   - ``BlockRemoved``: one announcement fewer of each hash (refcounted), in the group's
     table that holds it (removals name no LoRA adapter).
   - ``AllBlocksCleared``: the engine holds nothing any more, in any tier.
@@ -36,6 +37,7 @@ from kvoffload.index.state import SourceState
 from kvoffload.index.table import BlockTable
 from kvoffload.index.tiers import BITS_PER_ENGINE, tier_of
 from kvoffload.index.tokens import TokenChains
+from kvoffload.index.wire import LazyBlockStored, has_tokens
 from kvoffload.keys import external_hash
 
 _U64 = 1 << 64
@@ -54,7 +56,7 @@ class IndexStats(Counters):
     stored_hashes: int = 0  # block hashes announced stored (with repeats)
     removed_hashes: int = 0  # holds ended by BlockRemoved
     removed_unknown: int = 0  # hashes removed that the engine did not hold
-    tokens_learned: int = 0  # blocks whose (parent, tokens) -> hash was learned
+    tokens_learned: int = 0  # blocks whose (parent, tokens) -> hash was learned (not re-announcements)
 
 
 class Engine:
@@ -98,7 +100,7 @@ class ModelSpace:
         run_key: tuple | None = None
         for event in events:
             kind = type(event)
-            if kind is BlockStored:
+            if kind is LazyBlockStored or kind is BlockStored:
                 step = self._stored(engine, event, stats)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
                 step = self._removed(engine, event, stats)  # type: ignore[arg-type]
@@ -167,7 +169,7 @@ class ModelSpace:
             described = (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window)
             if spec is None or (spec.kind, spec.sliding_window) != described:
                 self.groups[group] = GroupSpec(*described)
-        if size and event.token_ids and self.learn_tokens:
+        if size and self.learn_tokens and has_tokens(event.token_ids):
             parent = event.parent_block_hash
             if parent is not None and type(parent) is not int:
                 parent = _u64(parent)
