@@ -14,19 +14,29 @@ separately, and every send gives up the GIL and waits to take it back; on an eng
 thread that spins on its scheduler loop, that wait (up to the interpreter's switch
 interval, 5 ms) was paid per block.
 
+A caller may also pass ``streamed(stream, indices) -> replies``: the node's batch then
+runs on a ``RespStream`` over the socket of a connection borrowed from redis-py's pool
+(connected, authenticated, TLS negotiated, database selected by redis-py), so the worker
+can send values from the host pool and read them into it without copies. Where redis-py's
+connection exposes no socket, ``command`` is used as above. Either way the connection is
+dropped after any exception, and a ``ServerError`` reply is a ``NodeDown`` of its name.
+
 Thread-safe: the redis-py clients are, and breakers are created under a lock.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvoffload.tiers.redis.breaker import CircuitBreaker
 from kvoffload.tiers.redis.client import redact
+from kvoffload.tiers.redis.resp import RespStream, ServerError
 
 Command = Callable[[bytes, int], tuple]  # command(name, index) -> ("SET", name, value, ...)
+Streamed = Callable[[RespStream, list[int]], list[Any]]  # one reply per index, in order
 
 
 class NodeDown:
@@ -49,6 +59,8 @@ class NodeCalls:
         self._client = None
         self._lock = threading.Lock()
         self._breakers: dict[str, CircuitBreaker] = {}
+        self.streamed_batches = 0  # node batches run on a RespStream (the rest: redis-py commands)
+        self.command_batches = 0
 
     def breaker(self, node: str) -> CircuitBreaker:
         breaker = self._breakers.get(node)
@@ -86,8 +98,8 @@ class NodeCalls:
             groups.setdefault(node.name, (node.redis_connection, []))[1].append(i)
         return groups
 
-    def run(self, names: Sequence[bytes], command: Command) -> list[Any]:
-        """Per name, the reply to ``command(name, index)``, or a ``NodeDown``."""
+    def run(self, names: Sequence[bytes], command: Command, streamed: Streamed | None = None) -> list[Any]:
+        """Per name, the reply to ``command(name, index)`` (or ``streamed``'s), or a ``NodeDown``."""
         replies: list[Any] = [None] * len(names)
         # A cluster client talks to the cluster when it is made (to map the slots): that
         # has a breaker of its own. A standalone client connects on its first command.
@@ -110,7 +122,7 @@ class NodeCalls:
                     replies[i] = NodeDown(f"node {node} is down (circuit open)")
                 continue
             try:
-                results = _batch(connection, [command(names[i], i) for i in indices])
+                results, on_stream = _batch(connection, names, indices, command, streamed)
             except Exception as exc:  # noqa: BLE001 - network, timeout, server errors
                 breaker.failure(exc)
                 if not self.cluster:
@@ -120,28 +132,42 @@ class NodeCalls:
                     replies[i] = down
                 continue
             breaker.success()
+            with self._lock:
+                self.streamed_batches += on_stream
+                self.command_batches += not on_stream
             for i, result in zip(indices, results):
                 replies[i] = result
         return replies
 
 
-def _batch(client: Any, commands: list[tuple]) -> list[Any]:
-    """Send ``commands`` at once on one connection of ``client``'s pool and read one reply
-    each; a command the server refused gives a ``NodeDown``. Connection errors raise (the
-    connection is dropped)."""
+def _batch(
+    client: Any, names: Sequence[bytes], indices: list[int], command: Command, streamed: Streamed | None
+) -> tuple[list[Any], bool]:
+    """The replies to the batch of ``indices`` on one connection of ``client``'s pool, one
+    each (a command the server refused gives a ``NodeDown``), and whether it ran on a
+    ``RespStream``. Connection errors raise (the connection is dropped)."""
     from redis.exceptions import ResponseError
 
     pool = client.connection_pool
     connection = pool.get_connection()
     try:
-        connection.send_packed_command([b"".join(connection.pack_commands(commands))])
-        replies: list[Any] = []
-        for _ in commands:
+        sock = getattr(connection, "_sock", None) if streamed is not None else None
+        if isinstance(sock, socket.socket):
+            replies = streamed(RespStream(sock), indices)
+            if len(replies) != len(indices):
+                raise RuntimeError(f"{len(replies)} replies to a batch of {len(indices)}")
+            refused = [NodeDown(f"the server refused: {r.message}") if isinstance(r, ServerError) else r
+                       for r in replies]  # fmt: skip
+            return refused, True
+        packed = connection.pack_commands([command(names[i], i) for i in indices])
+        connection.send_packed_command([b"".join(packed)])
+        replies = []
+        for _ in indices:
             try:
                 replies.append(connection.read_response())
             except ResponseError as exc:
                 replies.append(NodeDown(f"the server refused: {exc}"))
-        return replies
+        return replies, False
     except BaseException:
         connection.disconnect()
         raise

@@ -6,9 +6,11 @@ the host: its row of every host-pool tensor, in tensor order)::
     magic "KVR1" | version u16 | key length u16 | CRC32C u32 | payload length u64 | digest 16 B
 
 all big-endian. The CRC32C covers the key and the payload; the digest names the
-namespace (``namespace_digest``). ``decode`` accepts a value only if the magic, version,
-lengths, key, digest and CRC all match what the reader expects: anything else is a
-``CorruptValue`` (a miss that is deleted and counted, never KV for the engine).
+namespace (``namespace_digest``). ``decode`` (or ``check_head`` and the CRC, for a value
+read in pieces) accepts a value only if the magic, version, lengths, key, digest and CRC
+all match what the reader expects: anything else is a ``CorruptValue`` (a miss that is
+deleted and counted, never KV for the engine). ``head`` gives the header and key alone,
+so a writer can send the payload from where it lies.
 
 Names: ``<prefix>:<namespace>:<key hex>``. The namespace (``redis_namespace``) hashes
 everything that changes the bytes (``TierContext.identity``: model, dtype, layout, block
@@ -80,33 +82,47 @@ def value_bytes(payload_bytes: int, key_bytes: int = 36) -> int:
     return HEADER_BYTES + key_bytes + payload_bytes
 
 
-def encode(key: bytes, payload: Sequence[Any], digest: bytes) -> bytes:
-    """The value of ``key`` whose payload is the concatenation of ``payload``'s buffers."""
+def head(key: bytes, payload: Sequence[Any], digest: bytes) -> bytes:
+    """The header and key that precede ``payload`` (its buffers in order) in ``key``'s value:
+    a value is ``head(...)`` followed by the payload's bytes, which need not be joined."""
     crc = _crc32c.crc32c(key)
     size = 0
     for part in payload:
         crc = _crc32c.crc32c(part, crc)
         size += memoryview(part).nbytes
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), crc, size, digest)
-    return b"".join((header, key, *payload))
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), crc, size, digest) + key
+
+
+def encode(key: bytes, payload: Sequence[Any], digest: bytes) -> bytes:
+    """The value of ``key`` whose payload is the concatenation of ``payload``'s buffers."""
+    return b"".join((head(key, payload, digest), *payload))
+
+
+def check_head(value_head: Any, key: bytes, digest: bytes, payload_bytes: int, value_bytes: int) -> int:
+    """The CRC32C that ``value_head`` (a value's first ``HEADER_BYTES + len(key)`` bytes, or
+    more) records, if the value of ``value_bytes`` bytes is ``key``'s block of this namespace
+    with a payload of ``payload_bytes``; ``CorruptValue`` naming the failed check otherwise.
+    The caller compares the CRC with the one of the key and payload it holds."""
+    if value_bytes < HEADER_BYTES or len(value_head) < HEADER_BYTES:
+        raise CorruptValue(f"value of {value_bytes} bytes is shorter than the header")
+    magic, version, key_len, crc, size, value_digest = _HEADER.unpack_from(value_head)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptValue(f"bad magic/version {magic!r}/{version}")
+    if value_digest != digest:
+        raise CorruptValue("namespace digest differs")
+    if size != payload_bytes or value_bytes != HEADER_BYTES + key_len + size:
+        got = value_bytes - HEADER_BYTES - key_len
+        raise CorruptValue(f"payload of {got} bytes, expected {payload_bytes}")
+    if key_len != len(key) or memoryview(value_head)[HEADER_BYTES : HEADER_BYTES + key_len] != key:
+        raise CorruptValue("the value holds another key")
+    return crc
 
 
 def decode(value: bytes, key: bytes, digest: bytes, payload_bytes: int) -> memoryview:
     """The payload of ``value`` if it is ``key``'s block of this namespace; ``CorruptValue``
     naming the failed check otherwise."""
-    if len(value) < HEADER_BYTES:
-        raise CorruptValue(f"value of {len(value)} bytes is shorter than the header")
-    magic, version, key_len, crc, size, value_digest = _HEADER.unpack_from(value)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise CorruptValue(f"bad magic/version {magic!r}/{version}")
-    if value_digest != digest:
-        raise CorruptValue("namespace digest differs")
-    if size != payload_bytes or len(value) != HEADER_BYTES + key_len + size:
-        got = len(value) - HEADER_BYTES - key_len
-        raise CorruptValue(f"payload of {got} bytes, expected {payload_bytes}")
+    crc = check_head(value, key, digest, payload_bytes, len(value))
     view = memoryview(value)
-    if view[HEADER_BYTES : HEADER_BYTES + key_len] != key:
-        raise CorruptValue("the value holds another key")
     if _crc32c.crc32c(view[HEADER_BYTES:]) != crc:
         raise CorruptValue("CRC32C mismatch")
-    return view[HEADER_BYTES + key_len :]
+    return view[HEADER_BYTES + len(key) :]

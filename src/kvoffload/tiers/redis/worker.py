@@ -7,10 +7,12 @@ It is the ``kvoffload.worker.OffloadingWorker`` of routes ``CPU -> REMOTE`` (a s
   host block ``host_ids[i]`` (its row of every pool tensor, in tensor order) as the value
   of ``keys[i]`` (``kvoffload.tiers.redis.format``), all in one pipeline of ``SET NX``
   (with ``EX ttl`` when configured): a block another replica stored already is left as
-  it is (counted in ``already_present``).
+  it is (counted in ``already_present``). The payload is sent from the host rows
+  themselves (``pipelines.set_nx``), not joined into a value first.
 * load: ``submit(job_id, RemoteLoadStoreSpec(keys), CPULoadStoreSpec(host_ids))`` reads
-  the values in one pipeline of ``GET`` and copies each checked payload into its host
-  block's rows.
+  the values in one pipeline of ``GET`` (``pipelines.get_into``): each is checked as it
+  arrives and copied into its host block's rows once it passed. Where redis-py's
+  connection offers no socket, both go through redis-py's commands (copies more each).
 
 Contract, beyond ``kvoffload.worker``:
 
@@ -42,7 +44,8 @@ import numpy as np
 from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, CPULoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
 from kvoffload.tiers.redis.calls import NodeCalls, NodeDown
-from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode
+from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode, head
+from kvoffload.tiers.redis.pipelines import get_into, set_nx
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 
@@ -88,6 +91,8 @@ class RedisWorker(OffloadingWorker):
         self.host_pool = host_pool
         self._rows = [t.numpy() for t in host_pool.tensors]  # (num_host_blocks, row bytes)
         self.block_bytes = sum(int(r.shape[1]) for r in self._rows)
+        # rows are sent from and read into as buffers: each must be contiguous
+        self._streamable = all(r.shape[1] == 0 or r.strides[1] == 1 for r in self._rows)
         self.calls = calls
         self._names = names
         self._ttl = ttl
@@ -144,13 +149,20 @@ class RedisWorker(OffloadingWorker):
 
     def _store(self, host_ids: list[int], keys: list[bytes]) -> int:
         digest, ttl, payload = self._names.digest, self._ttl, self._payload
-
+        names = self._names.names(keys)
         expiry = () if ttl is None else ("EX", ttl)
 
         def command(name: bytes, i: int) -> tuple:
             return ("SET", name, encode(keys[i], payload(host_ids[i]), digest), "NX", *expiry)
 
-        replies = self.calls.run(self._names.names(keys), command)
+        def streamed(stream, indices: list[int]) -> list:
+            items = []
+            for i in indices:
+                rows = payload(host_ids[i])
+                items.append((names[i], head(keys[i], rows, digest), rows))
+            return set_nx(stream, items, ttl)
+
+        replies = self.calls.run(names, command, streamed if self._streamable else None)
         down = next((r for r in replies if isinstance(r, NodeDown)), None)
         with self._lock:
             self._counters.blocks_written += sum(1 for r in replies if r == b"OK")
@@ -163,11 +175,18 @@ class RedisWorker(OffloadingWorker):
 
     def _load(self, host_ids: list[int], keys: list[bytes]) -> int:
         names = self._names.names(keys)
-        values = self.calls.run(names, lambda name, _: ("GET", name))
-        digest, size = self._names.digest, self.block_bytes
+        digest, size, payload = self._names.digest, self.block_bytes, self._payload
+
+        def streamed(stream, indices: list[int]) -> list:
+            items = [(names[i], keys[i], [memoryview(r) for r in payload(host_ids[i])]) for i in indices]
+            return get_into(stream, items, digest)
+
+        values = self.calls.run(names, lambda name, _: ("GET", name), streamed if self._streamable else None)
         corrupt: list[bytes] = []
         failure = None
         for host_id, key, name, value in zip(host_ids, keys, names, values):
+            if value is True:  # read into the rows and checked
+                continue
             if isinstance(value, NodeDown):
                 failure = failure or f"load failed: {value.reason}"
                 continue
@@ -177,6 +196,8 @@ class RedisWorker(OffloadingWorker):
                     self._counters.missing_values += 1
                 continue
             try:
+                if isinstance(value, CorruptValue):
+                    raise value
                 payload = decode(value, key, digest, size)
             except CorruptValue as exc:
                 corrupt.append(name)
