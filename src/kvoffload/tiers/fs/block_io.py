@@ -4,12 +4,15 @@
 namespace (created if missing; sparse, grown on demand) and moves one block at a time
 between them and caller-owned buffers (the host pool's rows), without a copy:
 
-* ``write(slot, key, buffers)``: CRC32C over ``buffers``; zero the slot's header record;
-  ``pwritev`` the payload at the slot; write the new record (with ``fsync=True``, each
+* ``write(slot, key, buffers)``: zero the slot's header record; ``pwritev`` the payload
+  at the slot; CRC32C over ``buffers`` (after the write, while they are still in the CPU
+  cache: ``bench/profile_disk_io.py``); write the new record (with ``fsync=True``, each
   step is made durable before the next). A process killed anywhere in between leaves
-  an empty slot, never a valid record over a torn payload. ``write_run`` does the same
-  for consecutive slots with three writes in all (and more ``pwritev`` calls only past
-  ``IOV_MAX`` buffers): the workers batch a job's runs of consecutive slots.
+  an empty slot, never a valid record over a torn payload. The caller must not change
+  ``buffers`` during the call (the CRC and the file must see the same bytes).
+  ``write_run`` does the same for consecutive slots with three writes in all (and more
+  ``pwritev`` calls only past ``IOV_MAX`` buffers or after a short write): the workers
+  batch a job's runs of consecutive slots.
 * ``read(slot, key, buffers)``: read and check the record (magic, version, record CRC,
   namespace digest, the expected key, payload length), ``preadv`` the payload straight
   into ``buffers``, check its CRC. Any mismatch raises ``CorruptBlock`` naming the key
@@ -62,7 +65,16 @@ def _groups(views: list[memoryview]):
         yield group, sum(len(v) for v in group)
 
 
-def _pwritev_all(fd: int, buffers: Sequence, offset: int) -> None:
+def _pwritev_all(fd: int, buffers: Sequence, offset: int, length: int = -1) -> None:
+    """Write ``buffers`` at ``offset``; ``length`` (their total bytes, when the caller
+    knows it) lets one ``pwritev`` of the buffers as given do it without first making a
+    byte view of each."""
+    if length >= 0 and len(buffers) <= IOV_MAX:
+        written = os.pwritev(fd, buffers, offset)
+        if written == length:
+            return
+        buffers = _skip([memoryview(b).cast("B") for b in buffers], written)
+        offset += written
     for group, length in _groups([memoryview(b).cast("B") for b in buffers]):
         end = offset + length
         while group:
@@ -76,9 +88,25 @@ def _pwritev_all(fd: int, buffers: Sequence, offset: int) -> None:
         offset = end
 
 
-def _preadv_all(fd: int, buffers: Sequence, offset: int) -> int:
-    """Read until ``buffers`` are full or end of file; the bytes read."""
+def _skip(views: list[memoryview], done: int) -> list[memoryview]:
+    """``views`` less their first ``done`` bytes."""
+    while views and done >= len(views[0]):
+        done -= len(views.pop(0))
+    if views and done:
+        views[0] = views[0][done:]
+    return views
+
+
+def _preadv_all(fd: int, buffers: Sequence, offset: int, length: int = -1) -> int:
+    """Read until ``buffers`` are full or end of file; the bytes read. ``length`` as for
+    ``_pwritev_all``."""
     total = 0
+    if length >= 0 and len(buffers) <= IOV_MAX:
+        total = os.preadv(fd, buffers, offset)
+        if total == length or total == 0:
+            return total
+        buffers = _skip([memoryview(b).cast("B") for b in buffers], total)
+        offset += total
     for group, length in _groups([memoryview(b).cast("B") for b in buffers]):
         end = offset + length
         while group:
@@ -120,16 +148,18 @@ class BlockFiles:
         """Write ``blocks[i]`` (its buffers) under ``keys[i]`` to slot ``first + i``: the
         records of the run zeroed in one write, the payloads in as few ``pwritev`` calls
         as ``IOV_MAX`` allows (padding written as zeros), then the records in one write."""
-        crcs = [checksum(buffers) for buffers in blocks]
         record_at = first * RECORD_BYTES
         os.pwrite(self.header_fd, bytes(RECORD_BYTES * len(keys)), record_at)
         if self.fsync:
             os.fdatasync(self.header_fd)
-        _pwritev_all(self.data_fd, self._with_padding(blocks), self.geometry.data_offset(first))
+        geometry = self.geometry
+        length = (len(blocks) - 1) * geometry.slot_stride + geometry.payload_bytes
+        _pwritev_all(self.data_fd, self._with_padding(blocks), geometry.data_offset(first), length)
         if self.fsync:
             os.fdatasync(self.data_fd)
+        crcs = [checksum(buffers) for buffers in blocks]
         now = time.time_ns()
-        payload = self.geometry.payload_bytes
+        payload = geometry.payload_bytes
         records = b"".join(pack_record(key, payload, crc, now, self.digest) for key, crc in zip(keys, crcs))
         os.pwrite(self.header_fd, records, record_at)
         if self.fsync:
@@ -173,7 +203,10 @@ class BlockFiles:
             records.append(record)
         gap = self.geometry.slot_stride - self.geometry.payload_bytes
         scratch = memoryview(bytearray(gap)) if gap and n > 1 else None
-        got = _preadv_all(self.data_fd, self._with_padding(blocks, scratch), self.geometry.data_offset(first))
+        length = (n - 1) * self.geometry.slot_stride + self.geometry.payload_bytes
+        got = _preadv_all(
+            self.data_fd, self._with_padding(blocks, scratch), self.geometry.data_offset(first), length
+        )
         payload = self.geometry.payload_bytes
         for i, (key, record) in enumerate(zip(keys, records)):
             have = min(payload, max(0, got - i * self.geometry.slot_stride))

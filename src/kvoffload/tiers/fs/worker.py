@@ -18,20 +18,26 @@ Contract, beyond ``kvoffload.worker``:
   differ, a key too long, a slot written twice or a host block loaded twice in one job, a
   job id already in flight); ``RuntimeError`` after ``close``.
 * Jobs of one direction run and complete in submission order; the blocks of a job are
-  cut into one contiguous share per thread of that direction's bounded pool
-  (``load_threads``/``store_threads``); within a share, runs of consecutive slots move in
-  one batch each (``BlockFiles.write_run``/``read_run``: three syscalls per run rather
-  than three per block). Loads and stores overlap.
+  taken in slot order (the order in a job does not matter; a full tier's manager hands
+  out evicted slots last-freed first, i.e. descending) and cut into one contiguous share
+  per thread of that direction's bounded pool (``load_threads``/``store_threads``);
+  within a share, runs of consecutive slots move in one batch each
+  (``BlockFiles.write_run``/``read_run``: three syscalls per run rather than three per
+  block). Loads and stores overlap.
 * A job fails as a whole (``success=False``, ``bytes=0``, ``error`` naming the first
   failing key or the condition); the caller must not make its blocks loadable. A failed
   store leaves each slot either empty or intact. A failed load leaves its host rows
   unspecified; a block whose record, key or CRC does not check out is invalidated on disk
   and counted (``corrupt_blocks``), so it is never read as good again.
-* Stores are declined (failed, counted as ``floor_declines``) when writing the job's
-  not-yet-allocated slots would leave the file system less free space than the floor:
+* Space: the data file is reserved ahead of the writes in chunks of slots
+  (``kvoffload.tiers.fs.space``): a store writes into allocated space, never past the
+  tier's ``bytes_to_use``. Host rows are handed to the kernel as byte views of the pool
+  (``kvoffload.tiers.fs.host_rows``).
+* Stores are declined (failed, counted as ``floor_declines``) when reserving the job's
+  not-yet-reserved chunks would leave the file system less free space than the floor:
   ``max(min_free_bytes, min_free_fraction * file-system size)`` (both 0: no floor, no
-  ``statvfs`` per job). Only stores into slots this process has not written yet count as
-  needing space: rewriting a slot takes none. ``ENOSPC``/``EDQUOT``,
+  ``statvfs`` per job). Only chunks this process has not reserved yet count as needing
+  space: rewriting a slot takes none. ``ENOSPC``/``EDQUOT``,
   ``EIO`` and ``EROFS`` fail the job and are counted; nothing raises out of ``submit`` or
   ``poll`` for them, and later jobs are tried as usual (the worker recovers when the file
   system does). ``free_floor`` (bytes, an attribute) may be changed while running.
@@ -56,7 +62,9 @@ from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, CPULoadStoreSpec, DiskLoadStoreSpec, LoadStoreSpec
 from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock
 from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
+from kvoffload.tiers.fs.host_rows import HostRows
 from kvoffload.tiers.fs.namespace import namespace_digest, open_namespace_dir
+from kvoffload.tiers.fs.space import SlotSpace
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 
@@ -131,8 +139,8 @@ class FSWorker(OffloadingWorker):
         if not isinstance(min_free_bytes, int) or isinstance(min_free_bytes, bool) or min_free_bytes < 0:
             raise ValueError(f"min_free_bytes must be a non-negative int, got {min_free_bytes!r}")
         self.host_pool = host_pool
-        self._rows = [t.numpy() for t in host_pool.tensors]  # (num_host_blocks, row bytes) views
-        payload = sum(int(r.shape[1]) for r in self._rows)
+        self._host = HostRows(host_pool)
+        payload = self._host.block_bytes
         self.geometry = Geometry(payload)
         self.num_slots = self.geometry.num_slots(bytes_to_use)
         self.path = open_namespace_dir(root_dir, namespace)
@@ -140,13 +148,12 @@ class FSWorker(OffloadingWorker):
             self.files = BlockFiles(self.path, self.geometry, namespace_digest(namespace), fsync)
         except OSError as exc:
             raise ValueError(f"root_dir {os.fspath(root_dir)!r} cannot be written: {exc}") from None
+        self.space = SlotSpace(self.files.data_fd, self.geometry.slot_stride, self.num_slots)
         fs = os.statvfs(self.path)
         self.free_floor = max(min_free_bytes, int(min_free_fraction * fs.f_blocks * fs.f_frsize))
         # Runs batch consecutive slots up to ~1 MiB: longer ones lose the cache (a run's
         # CRCs are computed before its write, and after its read), measured in bench_disk.
         self._run_blocks = max(1, RUN_BYTES // payload)
-        # Slots written by this process: rewriting them needs no new disk space.
-        self._allocated = np.zeros(self.num_slots, dtype=bool)
         self._counters = FSWorkerCounters()
         self._jobs = JobBook()
         self._lock = self._jobs.lock  # also guards the counters
@@ -208,7 +215,9 @@ class FSWorker(OffloadingWorker):
         if len(np.unique(destination)) != len(destination):
             values, counts = np.unique(destination, return_counts=True)
             raise ValueError(f"job {job_id} writes {what} {int(values[counts > 1][0])} twice")
-        return _Job(job_id, store, host_ids.tolist(), slots.tolist(), [bytes(k) for k in disk.keys])
+        order = np.argsort(slots, kind="stable")
+        keys = [bytes(disk.keys[i]) for i in order.tolist()]
+        return _Job(job_id, store, host_ids[order].tolist(), slots[order].tolist(), keys)
 
     # -- running -------------------------------------------------------------------------
 
@@ -263,7 +272,7 @@ class FSWorker(OffloadingWorker):
     def _check_floor(self, job: _Job) -> None:
         if not self.free_floor:  # no floor: the file system's own ENOSPC is the limit
             return
-        new = int(np.count_nonzero(~self._allocated[job.slots])) * self.geometry.slot_stride
+        new = self.space.unreserved_bytes(job.slots)
         if not new:
             return
         try:
@@ -283,35 +292,30 @@ class FSWorker(OffloadingWorker):
         self._count(_ERRNO_COUNTER.get(exc.errno, "other_errors"))
 
     def _store_blocks(self, job: _Job, chunk: range, stop: threading.Event) -> None:
-        rows, files, allocated = self._rows, self.files, self._allocated
+        block, files, space = self._host.block, self.files, self.space
         for run in _runs(job.slots, chunk, self._run_blocks):
             if stop.is_set():
                 return
             first = job.slots[run.start]
             try:
-                files.write_run(
-                    first, job.keys[run.start : run.stop], [[r[job.host_ids[i]] for r in rows] for i in run]
-                )
+                space.reserve(first, len(run))
+                files.write_run(first, job.keys[run.start : run.stop], [block(job.host_ids[i]) for i in run])
             except OSError as exc:
                 stop.set()
-                allocated[first : first + len(run)] = False
                 self._os_error(exc)
                 key = job.keys[run.start]
                 raise _Failed(
                     f"store of {len(run)} blocks from key {key.hex()} at slot {first} failed: {exc}"
                 ) from None
-            allocated[first : first + len(run)] = True
 
     def _load_blocks(self, job: _Job, chunk: range, stop: threading.Event) -> None:
-        rows, files = self._rows, self.files
+        block, files = self._host.block, self.files
         for run in _runs(job.slots, chunk, self._run_blocks):
             if stop.is_set():
                 return
             first = job.slots[run.start]
             try:
-                files.read_run(
-                    first, job.keys[run.start : run.stop], [[r[job.host_ids[i]] for r in rows] for i in run]
-                )
+                files.read_run(first, job.keys[run.start : run.stop], [block(job.host_ids[i]) for i in run])
             except CorruptBlock as exc:
                 stop.set()
                 self._count("corrupt_blocks")
