@@ -231,3 +231,19 @@ def test_tokens_by_source_of_one_medium_equals_the_general_sweep(spans, start, l
     swept = tokens_by_source([*ranges, (0, 0, "CPU" if medium != "CPU" else "DISK")], start, end)
     assert tokens_by_source(ranges, start, end) == swept
     assert sum(swept.values()) == length
+
+
+def test_counters_as_dict_is_a_fresh_flat_copy_of_every_field():
+    import dataclasses
+
+    from kvoffload.counters import Counters
+    from kvoffload.scheduler.state import SchedulerStats
+
+    stats = SchedulerStats()
+    for i, field in enumerate(dataclasses.fields(stats)):
+        setattr(stats, field.name, i + 1)
+    flat = stats.as_dict()
+    assert flat == dataclasses.asdict(stats) and list(flat) == [f.name for f in dataclasses.fields(stats)]
+    stats.loads_planned += 100
+    assert flat["loads_planned"] != stats.loads_planned  # later counting does not change it
+    assert Counters().as_dict() == {}

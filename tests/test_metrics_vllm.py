@@ -177,6 +177,34 @@ def test_connector_stats_are_increments_that_aggregate_and_reach_prometheus():
             worker.close()
 
 
+def test_a_step_that_moved_nothing_reads_no_worker_metrics_and_waits_for_no_transfer_thread():
+    # vLLM asks the worker side for stats every engine step. A step in which no job started
+    # or finished answers at once: it does not wait on the meter's lock, which the transfer
+    # threads take as jobs finish (held here, as by a thread recording a job).
+    import threading
+
+    from kvoffload.integrations.vllm.stats import WorkerMetrics
+
+    worker = WorkerMetrics()
+    try:
+        worker.meter.started("GPU", "CPU")
+        worker.meter.finished("GPU", "CPU", True, 64, 0.01, 1)
+        assert worker.take_stats().reduce()["store_bytes"] == 64
+        answers = []
+        with worker.meter._lock:
+            step = threading.Thread(target=lambda: answers.append(worker.take_stats()), daemon=True)
+            step.start()
+            step.join(5)
+            assert answers == [None], "the step waited for a transfer thread"
+        worker.meter.started("GPU", "CPU")  # a job between two steps is reported, once
+        assert worker.take_stats() is not None
+        worker.meter.finished("GPU", "CPU", True, 8, 0.01, 1)
+        assert worker.take_stats().reduce()["store_bytes"] == 8
+        assert worker.take_stats() is None
+    finally:
+        worker.close()
+
+
 def test_tokens_promoted_from_disk_count_as_disk_in_vllm_and_per_tier(model, tmp_path):
     import prometheus_client
 

@@ -8,7 +8,8 @@ threads write) and hands out ``snapshot()`` copies, which later counting does no
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
+from functools import cache
 from typing import Any, Self
 
 
@@ -19,4 +20,11 @@ class Counters:
         return replace(self, **overrides)
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        # The fields are ints, so a flat copy is a deep one; ``dataclasses.asdict`` deep-
+        # copies value by value, and vLLM's engine asks for these counters every step.
+        return {name: getattr(self, name) for name in _field_names(type(self))}
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))

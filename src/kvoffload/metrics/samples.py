@@ -223,16 +223,21 @@ class TransferMeter:
         self._samples = Samples()
         self._in_flight: dict[tuple[str, str], int] = {}
         self._pending: dict[tuple[str, Labels], list[float]] = {}  # observations not taken
+        # Bumped by every ``started`` and ``finished``: a reader that saw the same value
+        # before and after has nothing new to read.
+        self.changes = 0
 
     def started(self, src: str, dst: str) -> None:
         key = route_tier(src, dst, self.labels)
         with self._lock:
             self._in_flight[key] = self._in_flight.get(key, 0) + 1
+            self.changes += 1
 
     def finished(self, src: str, dst: str, success: bool, nbytes: int, seconds: float, blocks: int) -> None:
         """One job's outcome (``started`` must have been called for it)."""
         tier, direction = route_tier(src, dst, self.labels)
         with self._lock:
+            self.changes += 1
             self._in_flight[(tier, direction)] = max(0, self._in_flight.get((tier, direction), 0) - 1)
             s = self._samples
             s.add("transfer_jobs", 1, (tier, direction, "ok" if success else "failed"))

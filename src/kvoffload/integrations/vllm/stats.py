@@ -15,7 +15,9 @@ appear on vLLM's ``/metrics``.
   ``kvoffload.metrics`` too, so an in-process engine can also be served by
   ``kvoffload.metrics.serve``) and its ``take_stats()``: counters as increments since
   the last report, gauges when they changed, histogram observations not yet sent;
-  ``None`` when nothing changed.
+  ``None`` when nothing changed. vLLM asks every step, so the worker side does not even
+  read its sources while no job started or finished (and no tier's worker keeps counters
+  of its own): a step that moved nothing costs a comparison.
 * ``KVOffloadPromMetrics``: vLLM's ``KVConnectorPromMetrics`` for those payloads; every
   metric of ``kvoffload.metrics.names`` the engine feeds, named as
   ``exported_name(metric, inside_vllm=True)``, with vLLM's labels first.
@@ -35,6 +37,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvoffload import metrics as kvmetrics
 from kvoffload.metrics.names import COUNTER, GAUGE, HISTOGRAM, METRICS, exported_name
 from kvoffload.metrics.samples import (
+    Samples,
     SchedulerSource,
     TransferMeter,
     WorkerSource,
@@ -106,15 +109,17 @@ class _Delta:
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, str], float] = {}
+        self._joined: dict[tuple[str, ...], str] = {}
 
-    def take(
-        self, samples: kvmetrics.Samples, observations: dict | None = None
-    ) -> KVOffloadConnectorStats | None:
+    def take(self, samples: Samples, observations: dict | None = None) -> KVOffloadConnectorStats | None:
         stats = KVOffloadConnectorStats()
+        joins = self._joined
         for key, series in samples.values.items():
             kind = METRICS[key].kind
             for labels, value in series.items():
-                joined = _SEP.join(labels)
+                joined = joins.get(labels)
+                if joined is None:
+                    joined = joins[labels] = _SEP.join(labels)
                 last = self._last.get((key, joined))
                 if kind == COUNTER and value != (last or 0):
                     stats.data[COUNTER].setdefault(key, {})[joined] = value - (last or 0)
@@ -137,7 +142,7 @@ class SchedulerMetrics:
         kvmetrics.register(self.source)
 
     def take_stats(self) -> KVOffloadConnectorStats | None:
-        samples = kvmetrics.Samples()
+        samples = Samples()
         self.source.read_metrics(samples)
         return self._delta.take(samples)
 
@@ -153,6 +158,8 @@ class WorkerMetrics:
         self.meter = TransferMeter()
         self.source = WorkerSource(self.meter)
         self._delta = _Delta()
+        self._seen = -1  # meter.changes at the last read
+        self._own_counters = False  # a tier's worker with counters(): always read
         kvmetrics.register(self.source)
 
     def attach(self, worker: Any, secondary_names: list[str]) -> None:
@@ -162,6 +169,7 @@ class WorkerMetrics:
             media += sorted({m for route in mover.routes for m in route} - {MEDIUM_CPU, MEDIUM_DEVICE})
         self.meter.labels = tier_labels(media, secondary_names)
         self.source.workers = [(self.meter.labels[m], w) for w, m in _movers_by_medium(workers)]
+        self._own_counters = any(hasattr(w, "counters") for _, w in self.source.workers)
 
     def started(self, job: Any) -> None:
         self.meter.started(job.src_spec.medium, job.dst_spec.medium)
@@ -174,7 +182,11 @@ class WorkerMetrics:
         self.meter.finished(src.medium, dst.medium, success, nbytes, seconds, len(host.block_ids))
 
     def take_stats(self) -> KVOffloadConnectorStats | None:
-        samples = kvmetrics.Samples()
+        changes = self.meter.changes  # before the read: a job finishing meanwhile is read again
+        if changes == self._seen and not self._own_counters:
+            return None
+        self._seen = changes
+        samples = Samples()
         self.source.read_metrics(samples)
         return self._delta.take(samples, self.meter.take_observations())
 
