@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored
@@ -355,3 +357,21 @@ def test_keys_a_policy_declines_are_not_offloaded():
     assert event.parent_block_hash == external_hash(h[0]) and event.token_ids == list(range(4, 12))
     assert manager.lookup(make_offload_key(h[0], 0)) is LookupResult.MISS
     assert sched.match(Req("b", list(range(13))), 0) == 0  # the prefix starts with a miss
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hashes=st.lists(st.binary(min_size=1, max_size=40), min_size=0, max_size=24),
+    step=st.sampled_from([1, 2, 3]),
+    group=st.integers(0, 3),
+    bounds=st.tuples(st.integers(0, 10), st.integers(0, 10)),
+)
+def test_request_block_keys_are_the_offload_keys_of_their_hashes(hashes, step, group, bounds):
+    from kvoffload.scheduler.blocks import BlockKeys
+
+    blocks = BlockKeys([16 * step] * 4, 16, BlockHasher(), None, 0)
+    g = group
+    start, end = min(bounds), min(max(bounds), len(hashes) // step)
+    want = [make_offload_key(hashes[(j + 1) * step - 1], g) for j in range(start, end)]
+    got = blocks.keys(hashes, g, start, end)
+    assert got == want and all(type(key) is bytes for key in got)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
+from kvoffload.keys import GROUP_BYTES, BlockHasher, OffloadKey, make_offload_key
 from kvoffload.scheduler.types import RequestView
 
 ExtraKeys = Callable[[Any, int, int], "tuple[Any, ...] | None"]
@@ -65,4 +65,11 @@ class BlockKeys:
 
     def keys(self, hashes: Sequence[bytes], g: int, start: int, end: int) -> list[OffloadKey]:
         step = self.tokens[g] // self.hash_block_size
-        return [make_offload_key(hashes[(j + 1) * step - 1], g) for j in range(start, end)]
+        if start >= end:
+            return []
+        # ``make_offload_key`` once, for its checks and the group suffix; the rest append
+        # the same suffix (``OffloadKey`` is ``bytes`` at run time). A request's keys are
+        # made on the engine's step, once each.
+        first = make_offload_key(hashes[(start + 1) * step - 1], g)
+        suffix = first[-GROUP_BYTES:]
+        return [first] + [bytes(hashes[(j + 1) * step - 1]) + suffix for j in range(start + 1, end)]
