@@ -1,9 +1,24 @@
 """Time to first token on a real vLLM engine (CPU build) for a ~2,000-token prompt served
 (a) by recomputation, (b) from the engine's own prefix cache, (c) from kvoffload's CPU
-tier — one engine with kvoffload, one run, rounds interleaved so load drifts hit all three.
+tier; and, side by side, the same (a) and (b) on an engine without kvoffload ("do no
+harm": requests that get nothing from kvoffload must not be slower because of it).
 
-Each round uses a fresh prompt: (a) first request, (b) the same prompt again, then
-``reset_prefix_cache()`` drops the engine's copy and (c) serves it from the CPU tier.
+Two engines live in one process, built by ``kvoffload.demo.offline.make_llm`` with the
+tiny random Llama: one with ``KVOffloadConnector``, one without. Each round uses a fresh
+prompt. Per engine: (a) first request, recomputed (with kvoffload its blocks are then
+stored), (b) the same prompt again, straight after (a), from the engine's prefix cache;
+on the kvoffload engine, (c) ``reset_prefix_cache()`` drops the engine's copy and the
+prompt is served from the CPU tier. The engines take turns going first, round by round,
+so load drift from other work on the machine hits both.
+
+Both engines run under the same interpreter switch interval (kvoffload's worker lowers it
+at start-up, ``switch_interval_s``; it is set for the whole process here first), or the
+comparison would measure the interpreter setting, not kvoffload.
+
+vLLM keeps the worker-side KV connector in one process-wide slot
+(``vllm.distributed.kv_transfer.kv_transfer_state``) that every in-process engine's model
+runner consults; before each request the bench puts the serving engine's connector there
+(none for the engine without kvoffload).
 
     .venv/bin/python bench/bench_engine.py [--rounds N] [--tokens N] [--model-dir DIR]
 """
@@ -14,49 +29,83 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+HARM_TARGET = 1.05  # kvoffload engine / engine without it, median TTFT, requests without a kvoffload hit
+
+
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--model-dir", default=".cache/tiny-llama")
     args = parser.parse_args()
 
     from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import kv_transfer_state
 
     from kvoffload.demo.offline import close_llm, make_llm, word_text
     from kvoffload.demo.tiny_model import build_tiny_llama
+    from kvoffload.integrations.vllm.config import DEFAULT_SWITCH_INTERVAL_S
 
+    load_start = _load()
+    sys.setswitchinterval(min(sys.getswitchinterval(), DEFAULT_SWITCH_INTERVAL_S))
     model = str(build_tiny_llama(args.model_dir))
+    started = time.perf_counter()
+    base = make_llm(model)
+    if kv_transfer_state.has_kv_transfer_group():
+        raise RuntimeError("the engine without kvoffload installed a KV connector")
     llm = make_llm(model, kvoffload={"cpu_bytes_to_use": 512 << 20})
+    connector = kv_transfer_state.get_kv_transfer_group()
     params = SamplingParams(temperature=0, max_tokens=1)
 
-    def ttft(text: str) -> tuple[float, int]:
-        out = llm.generate([text], params, use_tqdm=False)[0]
+    def ttft(engine, text: str) -> tuple[float, int]:
+        kv_transfer_state._KV_CONNECTOR_AGENT = connector if engine is llm else None
+        out = engine.generate([text], params, use_tqdm=False)[0]
         return out.metrics.first_token_latency, out.num_cached_tokens
 
-    times: dict[str, list[float]] = {"recompute": [], "engine cache": [], "kvoffload CPU": []}
+    names = ("recompute", "engine cache", "kvoffload CPU")
+    times: dict[str, list[float]] = {name: [] for name in names}
     cached: dict[str, int] = {}
+    base_times: dict[str, list[float]] = {name: [] for name in names[:2]}
+    base_cached: dict[str, int] = {}
     try:
-        ttft("warm up " * 100)
+        for engine in (base, llm):  # first requests pay one-off costs: not measured
+            for r in range(2):
+                ttft(engine, word_text(10 + r, args.tokens))
+                ttft(engine, word_text(10 + r, args.tokens))
         for r in range(args.rounds):
             text = word_text(1000 + r, args.tokens)
-            for name in times:
-                if name == "kvoffload CPU":
-                    llm.reset_prefix_cache()
-                seconds, hit = ttft(text)
-                times[name].append(seconds)
-                cached[name] = hit
+            for engine in (llm, base) if r % 2 == 0 else (base, llm):
+                for name in names if engine is llm else names[:2]:
+                    if name == "kvoffload CPU":
+                        llm.reset_prefix_cache()
+                    seconds, hit = ttft(engine, text)
+                    (times if engine is llm else base_times)[name].append(seconds)
+                    (cached if engine is llm else base_cached)[name] = hit
     finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = connector
         close_llm(llm)
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+        close_llm(base)
+    elapsed = time.perf_counter() - started
 
     a = statistics.median(times["recompute"])
     b = statistics.median(times["engine cache"])
-    print(f"prompt {args.tokens} tokens, tiny Llama (4 layers, hidden 256, float32), {args.rounds} rounds")
+    print(
+        f"prompt {args.tokens} tokens, tiny Llama (4 layers, hidden 256, float32), {args.rounds} rounds; "
+        f"switch interval {sys.getswitchinterval() * 1e3:g} ms for both engines; "
+        f"load average (1/5/15 min) {load_start} at start, {_load()} at end; {elapsed:.0f} s"
+    )
+    print()
+    print("Engine with kvoffload:")
     print()
     print("| served by | cached tokens | median TTFT (ms) | min (ms) | max (ms) |")
     print("|---|---:|---:|---:|---:|")
@@ -68,6 +117,29 @@ def main() -> int:
     c = statistics.median(times["kvoffload CPU"])
     print()
     print(f"(c)/(a) = {c / a:.3f} (target <= 0.2); (c)/(b) = {c / b:.2f} (target <= 1.5)")
+    print()
+    print("Do no harm: requests without a kvoffload hit, with and without kvoffload, same rounds:")
+    print()
+    print(
+        "| served by | cached tokens (with / without) | requests (each) | median TTFT with (ms) | "
+        "median TTFT without (ms) | with / without | median of per-prompt ratios |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    verdicts = []
+    for name, without in base_times.items():
+        with_kv = times[name]
+        ratio = statistics.median(with_kv) / statistics.median(without)
+        paired = statistics.median(w / o for w, o in zip(with_kv, without))
+        verdicts.append(ratio <= HARM_TARGET)
+        print(
+            f"| {name} | {cached[name]} / {base_cached[name]} | {len(with_kv)} | "
+            f"{statistics.median(with_kv) * 1e3:.1f} | {statistics.median(without) * 1e3:.1f} | "
+            f"{ratio:.3f} | {paired:.3f} |"
+        )
+    print()
+    print(
+        f"target: with / without <= {HARM_TARGET:.2f} for every row: {'met' if all(verdicts) else 'MISSED'}"
+    )
     return 0
 
 
