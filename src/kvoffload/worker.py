@@ -77,16 +77,18 @@ class OffloadingWorker(ABC):
 
 class JobBook:
     """The bookkeeping a worker's ``submit``, copy threads, ``poll``, ``wait`` and ``close``
-    share: job ids in flight, results not yet polled, whether it is closed. ``lock`` (a
-    condition) guards them; a worker may take it for its own counters too."""
+    share: job ids in flight (each with a tag the worker chooses, e.g. its direction),
+    results not yet polled, whether it is closed. ``lock`` (a re-entrant condition) guards
+    them; a worker may take it for its own counters too, or to make a submit atomic with
+    queueing the job."""
 
     def __init__(self) -> None:
         self.lock = threading.Condition()
         self.closed = False
-        self._pending: set[int] = set()
+        self._pending: dict[int, object] = {}
         self._results: list[TransferResult] = []
 
-    def begin(self, job_id: int) -> None:
+    def begin(self, job_id: int, tag: object = None) -> None:
         """Record ``job_id`` in flight; ``RuntimeError`` after ``close``, ``ValueError`` if
         it is in flight already."""
         with self.lock:
@@ -94,13 +96,22 @@ class JobBook:
                 raise RuntimeError(f"submit({job_id}) after close()")
             if job_id in self._pending:
                 raise ValueError(f"job id {job_id} is already in flight")
-            self._pending.add(job_id)
+            self._pending[job_id] = tag
 
-    def finish(self, result: TransferResult) -> None:
-        """Call with ``lock`` held."""
+    def finish(self, result: TransferResult) -> bool:
+        """Post ``result``; call with ``lock`` held. A job with a result already (failed by
+        a timed-out ``close``) or never begun is ignored: ``False``."""
+        if result.job_id not in self._pending:
+            return False
+        del self._pending[result.job_id]
         self._results.append(result)
-        self._pending.discard(result.job_id)
         self.lock.notify_all()
+        return True
+
+    def in_flight(self) -> list[tuple[int, object]]:
+        """``(job id, tag)`` of every job without a result yet, by job id."""
+        with self.lock:
+            return sorted(self._pending.items(), key=lambda item: item[0])
 
     def poll(self) -> list[TransferResult]:
         with self.lock:
@@ -110,8 +121,8 @@ class JobBook:
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         wanted = set(job_ids)
         with self.lock:
-            if not self.lock.wait_for(lambda: not (wanted & self._pending), timeout):
-                raise TimeoutError(f"jobs {sorted(wanted & self._pending)} still running")
+            if not self.lock.wait_for(lambda: not (wanted & self._pending.keys()), timeout):
+                raise TimeoutError(f"jobs {sorted(wanted & self._pending.keys())} still running")
 
     def close(self) -> bool:
         """Mark closed; ``True`` the first time only."""

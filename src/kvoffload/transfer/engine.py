@@ -69,7 +69,7 @@ from kvoffload.transfer.executor import Executor, Piece
 from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.mapping import map_sub_blocks
-from kvoffload.worker import OffloadingWorker, Route, TransferResult
+from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +127,7 @@ class TransferEngine(OffloadingWorker):
             self._executor = CPUExecutor(layout, host_pool, chunk_bytes, copy_threads)
         else:
             raise ValueError(f"unsupported device {layout.device} (cpu and cuda are)")
-        self._lock = threading.Condition()
-        self._pending: dict[int, str] = {}  # job id -> direction
-        self._results: list[TransferResult] = []
-        self._closed = False
+        self._jobs = JobBook()  # job id -> direction while in flight
         self._queues = {STORE: queue.Queue(), LOAD: queue.Queue()}
         self._threads = [
             threading.Thread(target=self._worker, args=(d,), name=f"kvoffload-{d}", daemon=True)
@@ -142,7 +139,7 @@ class TransferEngine(OffloadingWorker):
     # -- submission ---------------------------------------------------------------------
 
     def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        if self._closed:
+        if self._jobs.closed:
             raise RuntimeError(f"submit({job_id}) after close()")
         direction = _DIRECTIONS.get((src_spec.medium, dst_spec.medium))
         if direction is None:
@@ -159,12 +156,8 @@ class TransferEngine(OffloadingWorker):
                 f"({type(src_spec).__name__}, {type(dst_spec).__name__})"
             )
         job = self._plan(job_id, store, device_spec, host_spec)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"submit({job_id}) after close()")
-            if job_id in self._pending:
-                raise ValueError(f"job id {job_id} is already in flight")
-            self._pending[job_id] = direction
+        with self._jobs.lock:
+            self._jobs.begin(job_id, direction)
             # Under the lock: close() cannot queue its stop marker ahead of this job.
             try:
                 job.ready = self._executor.ready_event()
@@ -225,38 +218,26 @@ class TransferEngine(OffloadingWorker):
 
     def _complete(self, result: TransferResult) -> None:
         """Post ``result`` unless its job already has one (failed by a timed-out close)."""
-        with self._lock:
-            if result.job_id not in self._pending:
-                return
-            self._results.append(result)
-            del self._pending[result.job_id]
-            self._lock.notify_all()
+        with self._jobs.lock:
+            self._jobs.finish(result)
 
     def poll(self) -> list[TransferResult]:
-        with self._lock:
-            results, self._results = self._results, []
-        return results
+        return self._jobs.poll()
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Block until every job in ``job_ids`` has finished; ``TimeoutError`` otherwise."""
-        wanted = set(job_ids)
-        with self._lock:
-            if not self._lock.wait_for(lambda: not (wanted & self._pending.keys()), timeout):
-                raise TimeoutError(f"jobs {sorted(wanted & self._pending.keys())} still running")
+        self._jobs.wait(job_ids, timeout)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._jobs.close():
+            return
         for direction in (STORE, LOAD):
             self._queues[direction].put(None)
         deadline = None if self.close_timeout is None else time.monotonic() + self.close_timeout
         for thread in self._threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if any(thread.is_alive() for thread in self._threads):
-            with self._lock:
-                stuck = sorted(self._pending.items())
+            stuck = self._jobs.in_flight()
             logger.error("kvoffload: close() gave up on jobs %s after %ss", stuck, self.close_timeout)
             for job_id, direction in stuck:
                 self._complete(
