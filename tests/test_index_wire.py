@@ -169,3 +169,16 @@ def test_a_served_index_learns_chains_from_lazily_decoded_events(tmp_path) -> No
             assert service.index.stats().tokens_learned == 40
         finally:
             pub.close()
+
+
+def test_chains_tell_tokens_parents_extra_keys_and_huge_token_ids_apart() -> None:
+    chains = TokenChains()
+    tokens = [5, 6, 7, 8, 2**64 + 5, 6, 7, 8]  # a token id beyond u64 still learns and chains
+    assert chains.learn(None, tokens, BS, [1, 2], [["mm", 1], None]) == 2  # unhashable extra key
+    assert chains.chain(tokens, BS, lambda i: ["mm", 1] if i == 0 else None) == [1, 2]
+    assert chains.chain(tokens, BS) == []  # without the extra key the first block differs
+    assert chains.learn(3, tokens[:BS], BS, [4], None) == 1  # same tokens, another parent
+    assert chains.chain(tokens[:BS], BS) == []
+    swapped = [6, 5, 7, 8]  # token order matters
+    assert chains.learn(None, swapped, BS, [9], None) == 1 and chains.chain(tokens[:BS], BS) == []
+    assert chains.chain(swapped + [1, 2, 3], BS) == [9]  # a partial last block is not looked up
