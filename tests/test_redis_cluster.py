@@ -43,6 +43,8 @@ def test_blocks_spread_over_the_masters_and_survive_one_masters_death(cluster):
         assert result.success
         for i, key in enumerate(alive[:8]):
             assert host_block(b.pool, i) == host_block(a.pool, keys.index(key) % 16)
+        for calls in (a.worker.calls, b.worker.calls):  # the worker's own RESP path, per node
+            assert calls.streamed_batches >= 2 and calls.command_batches == 0
     finally:
         a.close()
         b.close()

@@ -306,6 +306,8 @@ def test_a_unix_socket_url(tmp_path):
         assert b.settle(k(1)) is HIT
         assert b.run(b.manager.prepare_load([k(1)]), CPULoadStoreSpec([5])).success
         assert host_block(b.pool, 5) == host_block(a.pool, 0)
+        for calls in (a.worker.calls, b.worker.calls):  # the worker's own RESP path, on a unix socket
+            assert calls.streamed_batches and calls.command_batches == 0
         a.close()
         b.close()
     finally:
@@ -356,6 +358,8 @@ def test_a_tls_url(tmp_path):
         assert b.settle(k(1)) is HIT
         assert b.run(b.manager.prepare_load([k(1)]), CPULoadStoreSpec([5])).success
         assert host_block(b.pool, 5) == host_block(a.pool, 0)
+        for calls in (a.worker.calls, b.worker.calls):  # the worker's own RESP path, over TLS
+            assert calls.streamed_batches and calls.command_batches == 0
         # the same server without TLS is unreachable: a degraded start, misses, no hang
         plain = Replica(f"redis://127.0.0.1:{port}/0")
         assert plain.settle(k(1)) is MISS
