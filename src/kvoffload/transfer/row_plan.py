@@ -48,6 +48,20 @@ def run_bounds(sorted_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts, lengths
 
 
+def _pairs(
+    src_rows, dst_rows, unit_rows: int, op_rows: int | None
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The row arrays as int64 (``ValueError`` if their lengths differ), and the unit and
+    operation caps as ints of at least 1 (the operation cap at most the unit cap)."""
+    src_rows = np.asarray(src_rows, dtype=np.int64)
+    dst_rows = np.asarray(dst_rows, dtype=np.int64)
+    if len(src_rows) != len(dst_rows):
+        raise ValueError(f"{len(src_rows)} source rows for {len(dst_rows)} destination rows")
+    unit_rows = max(1, int(unit_rows))
+    op_rows = unit_rows if op_rows is None else max(1, min(int(op_rows), unit_rows))
+    return src_rows, dst_rows, unit_rows, op_rows
+
+
 def plan_copies(
     src_rows: np.ndarray, dst_rows: np.ndarray, unit_rows: int, op_rows: int | None = None
 ) -> list[Unit]:
@@ -55,14 +69,9 @@ def plan_copies(
     for every ``i``; apply each with ``apply_unit``. Units touch disjoint destination
     rows, so they may run concurrently and in any order. ``op_rows`` (default
     ``unit_rows``) caps the rows of one operation."""
-    src_rows = np.asarray(src_rows, dtype=np.int64)
-    dst_rows = np.asarray(dst_rows, dtype=np.int64)
-    if len(src_rows) != len(dst_rows):
-        raise ValueError(f"{len(src_rows)} source rows for {len(dst_rows)} destination rows")
+    src_rows, dst_rows, unit_rows, op_rows = _pairs(src_rows, dst_rows, unit_rows, op_rows)
     if not len(dst_rows):
         return []
-    unit_rows = max(1, int(unit_rows))
-    op_rows = unit_rows if op_rows is None else max(1, min(int(op_rows), unit_rows))
     by_dst = np.argsort(dst_rows, kind="stable")
     by_src = np.argsort(src_rows, kind="stable")
     dst_runs = 1 + int(np.count_nonzero(np.diff(dst_rows[by_dst]) != 1))
@@ -125,14 +134,9 @@ def plan_runs(
     destination rows and are in destination order. For a copier that takes many byte
     ranges per call (``kvoffload.transfer.native``), where the number of runs, not the
     number of calls, is what a scattered pattern costs. Computed without a Python loop."""
-    src_rows = np.asarray(src_rows, dtype=np.int64)
-    dst_rows = np.asarray(dst_rows, dtype=np.int64)
-    if len(src_rows) != len(dst_rows):
-        raise ValueError(f"{len(src_rows)} source rows for {len(dst_rows)} destination rows")
+    src_rows, dst_rows, unit_rows, op_rows = _pairs(src_rows, dst_rows, unit_rows, op_rows)
     if not len(dst_rows):
         return []
-    unit_rows = max(1, int(unit_rows))
-    op_rows = unit_rows if op_rows is None else max(1, min(int(op_rows), unit_rows))
     order = np.argsort(dst_rows, kind="stable")
     src, dst = src_rows[order], dst_rows[order]
     joined = (np.diff(src) == 1) & (np.diff(dst) == 1)
