@@ -330,8 +330,11 @@ def _unique(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Sorted distinct hashes and how often each came (``None``: once each)."""
     if len(hashes) == 1:
         return hashes, None
-    unique, repeats = np.unique(hashes, return_counts=True)
-    return (unique, repeats) if len(unique) < len(hashes) else (unique, None)
+    ordered = np.sort(hashes)
+    if (ordered[1:] != ordered[:-1]).all():  # the common case: no repeats, no counting
+        return ordered, None
+    unique, repeats = np.unique(ordered, return_counts=True)
+    return unique, repeats
 
 
 def _one_per_row(match: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
