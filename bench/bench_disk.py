@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -64,7 +65,13 @@ LAYERS = 32
 THREADS = 4
 JOB_BYTES = 16 << 20
 CHUNK = 8 << 20
-COLUMNS = ("store_cached", "store_durable", "load_cold", "load_warm")
+COLUMNS = (
+    "store_fresh", "store_fresh_durable", "store_reused", "store_reused_durable", "load_cold", "load_warm",
+)  # fmt: skip
+HEADERS = (
+    "store fresh (cached)", "store fresh (durable)", "store reused (cached)", "store reused (durable)",
+    "load (cold)", "load (warm)",
+)  # fmt: skip
 
 
 def key(i: int) -> bytes:
@@ -158,65 +165,106 @@ def pool_bytes(pool: HostBlockPool) -> int:
     return sum(int(t.shape[1]) for t in pool.tensors)
 
 
+def _cpu() -> float:
+    """CPU seconds of this process so far, every thread, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed_store(fn) -> tuple[float, float, float]:
+    """Seconds until ``fn`` returns (data in the page cache) and until ``os.sync()`` is
+    done (on the device), and the process's CPU seconds until ``fn`` returns. Dirty data
+    of earlier steps is flushed before the clock starts."""
+    os.sync()
+    start, cpu = time.perf_counter(), _cpu()
+    fn()
+    cached, cpu = time.perf_counter() - start, _cpu() - cpu
+    os.sync()
+    return cached, time.perf_counter() - start, cpu
+
+
+def _stores(result: dict, nbytes: int, state: str, times: tuple[float, float, float]) -> None:
+    result[f"store_{state}"] = nbytes / times[0]
+    result[f"store_{state}_durable"] = nbytes / times[1]
+    result[f"cpu_store_{state}"] = times[2] / (nbytes / 1e9)
+
+
+def _timed_load(result: dict, nbytes: int, mode: str, fn) -> None:
+    start, cpu = time.perf_counter(), _cpu()
+    fn()
+    result[f"load_{mode}"] = nbytes / (time.perf_counter() - start)
+    result[f"cpu_load_{mode}"] = (_cpu() - cpu) / (nbytes / 1e9)
+
+
 def sequential(folder: str, nbytes: int, buf: np.ndarray) -> dict[str, float]:
+    """``dd``-like, one thread, 8 MiB calls: a new file (fresh), then the same file
+    rewritten in place (reused), then read cold and warm."""
     path = os.path.join(folder, "sequential.bin")
-    os.sync()
-    start = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        for off in range(0, nbytes, CHUNK):
-            f.write(buf[off : off + CHUNK])
-    cached = time.perf_counter() - start
-    os.sync()
-    durable = time.perf_counter() - start
-    out = {"store_cached": nbytes / cached, "store_durable": nbytes / durable}
+    out: dict[str, float] = {}
+
+    def write(mode: str):
+        def run():
+            with open(path, mode, buffering=0) as f:
+                for off in range(0, nbytes, CHUNK):
+                    f.write(buf[off : off + CHUNK])
+
+        return run
+
+    _stores(out, nbytes, "fresh", _timed_store(write("wb")))
+    drop_cache([path])
+    _stores(out, nbytes, "reused", _timed_store(write("r+b")))
     for mode in ("cold", "warm"):
         if mode == "cold":
             drop_cache([path])
-        start = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            for off in range(0, nbytes, CHUNK):
-                f.readinto(memoryview(buf)[off : off + CHUNK])
-        out[f"load_{mode}"] = nbytes / (time.perf_counter() - start)
+
+        def read():
+            with open(path, "rb", buffering=0) as f:
+                for off in range(0, nbytes, CHUNK):
+                    f.readinto(memoryview(buf)[off : off + CHUNK])
+
+        _timed_load(out, nbytes, mode, read)
     os.unlink(path)
     return out
 
 
-def slot_file(folder: str, pool: HostBlockPool, blocks: int) -> dict[str, float]:
+def slot_file(folder: str, pool: HostBlockPool, blocks: int, threads: int) -> dict[str, float]:
+    """``FSWorker``: a tier of exactly ``blocks`` slots filled with keys A (fresh: a new
+    namespace), then with keys B, which evict A and reuse its slots (reused); loads of B."""
     block_bytes = sum(int(t.shape[1]) for t in pool.tensors)
     nbytes = blocks * block_bytes
     bytes_to_use = blocks * Geometry(block_bytes).stored_block_bytes
     manager = FSOffloadingManager(folder, "slots", block_bytes, bytes_to_use)
-    worker = FSWorker(pool, folder, "slots", bytes_to_use, load_threads=THREADS, store_threads=THREADS)
+    worker = FSWorker(pool, folder, "slots", bytes_to_use, load_threads=threads, store_threads=threads)
     per_job = max(1, JOB_BYTES // block_bytes)
-    keys = [key(i) for i in range(blocks)]
-    out = manager.prepare_store(keys)
-    os.sync()
-    start = time.perf_counter()
-    jobs = []
-    for j, first in enumerate(range(0, blocks, per_job)):
-        ids = list(range(first, min(blocks, first + per_job)))
-        worker.submit(j, CPULoadStoreSpec(ids), _disk_spec(out.store_spec, ids))
-        jobs.append(j)
-    worker.wait(jobs)
-    cached = time.perf_counter() - start
-    os.sync()
-    durable = time.perf_counter() - start
-    assert all(r.success for r in worker.poll())
-    manager.complete_store(keys)
-    result = {"store_cached": nbytes / cached, "store_durable": nbytes / durable}
+    job_ids = iter(range(1 << 30))
+
+    def run(specs):
+        jobs = []
+        for first in range(0, blocks, per_job):
+            ids = list(range(first, min(blocks, first + per_job)))
+            src, dst = specs(ids)
+            jobs.append(next(job_ids))
+            worker.submit(jobs[-1], src, dst)
+        worker.wait(jobs)
+        assert all(r.success for r in worker.poll())
+
+    result: dict[str, float] = {}
+    for state, offset in (("fresh", 0), ("reused", blocks)):
+        keys = [key(offset + i) for i in range(blocks)]
+        out = manager.prepare_store(keys)
+        assert len(out.keys_to_store) == blocks and len(out.evicted_keys) == offset
+        spec = out.store_spec
+        times = _timed_store(lambda s=spec: run(lambda ids: (CPULoadStoreSpec(ids), _disk_spec(s, ids))))
+        _stores(result, nbytes, state, times)
+        manager.complete_store(keys)
+        drop_cache(files_under(worker.path))
     for mode in ("cold", "warm"):
         if mode == "cold":
             drop_cache(files_under(worker.path))
         spec = manager.prepare_load(keys)
-        start = time.perf_counter()
-        jobs = []
-        for j, first in enumerate(range(0, blocks, per_job), start=len(jobs) + 1000):
-            ids = list(range(first, min(blocks, first + per_job)))
-            worker.submit(j, _disk_spec(spec, ids), CPULoadStoreSpec(ids))
-            jobs.append(j)
-        worker.wait(jobs)
-        result[f"load_{mode}"] = nbytes / (time.perf_counter() - start)
-        assert all(r.success for r in worker.poll())
+        _timed_load(
+            result, nbytes, mode, lambda s=spec: run(lambda ids: (_disk_spec(s, ids), CPULoadStoreSpec(ids)))
+        )
         manager.complete_load(keys)
     worker.close()
     manager.close()
@@ -229,38 +277,44 @@ def _disk_spec(spec, ids):
     return DiskLoadStoreSpec(spec.block_ids[ids[0] : ids[-1] + 1], spec.keys[ids[0] : ids[-1] + 1])
 
 
-def file_per_block(folder: str, pool: HostBlockPool, blocks: int) -> dict[str, float]:
-    block_bytes = sum(int(t.shape[1]) for t in pool.tensors)
+def _per_block_files(folder, blocks, block_bytes, threads, write, read, remove) -> dict[str, float]:
+    """Stores of keys A into new files (fresh), then A's files deleted as an eviction
+    would (not timed) and keys B stored (reused: the file system reuses the freed
+    blocks); loads of B. ``write(i, offset)``/``read(i, offset)`` move block ``i`` under
+    key ``offset + i``; ``remove(i)`` deletes key ``i``'s file."""
+
+    def parallel(fn, offset):
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda c: [fn(i, offset) for i in range(c, blocks, threads)], range(threads)))
+
+    result: dict[str, float] = {}
     nbytes = blocks * block_bytes
-    layout = FilePerBlock(os.path.join(folder, "files"), block_bytes, namespace_digest("files"))
-    rows = [t.numpy() for t in pool.tensors]
-    keys = [key(i) for i in range(blocks)]
-
-    def run(fn, indices):
-        for i in indices:
-            fn(keys[i], [r[i] for r in rows])
-
-    def parallel(fn):
-        with ThreadPoolExecutor(THREADS) as ex:
-            list(ex.map(lambda c: run(fn, range(c, blocks, THREADS)), range(THREADS)))
-
-    os.sync()
-    start = time.perf_counter()
-    parallel(layout.write)
-    cached = time.perf_counter() - start
-    os.sync()
-    durable = time.perf_counter() - start
-    result = {"store_cached": nbytes / cached, "store_durable": nbytes / durable}
+    for state, offset in (("fresh", 0), ("reused", blocks)):
+        if offset:
+            for i in range(blocks):
+                remove(i)
+            os.sync()
+        _stores(result, nbytes, state, _timed_store(lambda o=offset: parallel(write, o)))
     for mode in ("cold", "warm"):
         if mode == "cold":
-            drop_cache(files_under(layout.folder))
-        start = time.perf_counter()
-        parallel(layout.read)
-        result[f"load_{mode}"] = nbytes / (time.perf_counter() - start)
+            drop_cache(files_under(folder))
+        _timed_load(result, nbytes, mode, lambda: parallel(read, blocks))
     return result
 
 
-def vllm_fs(folder: str, buf: np.ndarray, block_bytes: int, blocks: int) -> dict[str, float]:
+def file_per_block(folder: str, pool: HostBlockPool, blocks: int, threads: int) -> dict[str, float]:
+    block_bytes = sum(int(t.shape[1]) for t in pool.tensors)
+    layout = FilePerBlock(os.path.join(folder, "files"), block_bytes, namespace_digest("files"))
+    rows = [t.numpy() for t in pool.tensors]
+    return _per_block_files(
+        layout.folder, blocks, block_bytes, threads,
+        lambda i, off: layout.write(key(off + i), [r[i] for r in rows]),
+        lambda i, off: layout.read(key(off + i), [r[i] for r in rows]),
+        lambda i: os.unlink(layout.path(key(i))),
+    )  # fmt: skip
+
+
+def vllm_fs(folder: str, buf: np.ndarray, block_bytes: int, blocks: int, threads: int) -> dict[str, float]:
     """vLLM 0.32's own fs-tier I/O functions (``vllm.v1.kv_offload.tiering.fs.io``: one
     file per block, temp file + rename, its C extension when built) on the same bytes,
     with the same threads and job size, through the page cache (``use_o_direct=False``,
@@ -269,32 +323,33 @@ def vllm_fs(folder: str, buf: np.ndarray, block_bytes: int, blocks: int) -> dict
 
     view = memoryview(buf)
     per_job = max(1, JOB_BYTES // block_bytes)
-    paths = [os.path.join(folder, f"{i % 256:02x}", key(i).hex() + ".bin") for i in range(blocks)]
-    for sub in {os.path.dirname(p) for p in paths}:
-        os.makedirs(sub, exist_ok=True)
+
+    def path(k: bytes) -> str:
+        return os.path.join(folder, k[-5:-4].hex(), k.hex() + ".bin")
+
+    for sub in range(256):
+        os.makedirs(os.path.join(folder, f"{sub:02x}"), exist_ok=True)
     jobs = [range(first, min(blocks, first + per_job)) for first in range(0, blocks, per_job)]
 
-    def run(fn):
+    def run(fn, offset):
         def job(ids):
-            fn([paths[i] for i in ids], view, [i * block_bytes for i in ids], block_bytes, False)
+            fn([path(key(offset + i)) for i in ids], view, [i * block_bytes for i in ids], block_bytes, False)
 
-        with ThreadPoolExecutor(THREADS) as ex:
+        with ThreadPoolExecutor(threads) as ex:
             list(ex.map(job, jobs))
 
+    result: dict[str, float] = {}
     nbytes = blocks * block_bytes
-    os.sync()
-    start = time.perf_counter()
-    run(batch_store_block)
-    cached = time.perf_counter() - start
-    os.sync()
-    durable = time.perf_counter() - start
-    result = {"store_cached": nbytes / cached, "store_durable": nbytes / durable}
+    for state, offset in (("fresh", 0), ("reused", blocks)):
+        if offset:
+            for i in range(blocks):
+                os.unlink(path(key(i)))
+            os.sync()
+        _stores(result, nbytes, state, _timed_store(lambda o=offset: run(batch_store_block, o)))
     for mode in ("cold", "warm"):
         if mode == "cold":
             drop_cache(files_under(folder))
-        start = time.perf_counter()
-        run(batch_load_block)
-        result[f"load_{mode}"] = nbytes / (time.perf_counter() - start)
+        _timed_load(result, nbytes, mode, lambda: run(batch_load_block, blocks))
     return result
 
 
@@ -472,6 +527,10 @@ def cpu_index_memory(count: int) -> tuple[float, dict[str, float]]:
 # -- report -------------------------------------------------------------------------------
 
 
+def loadavg() -> str:
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min)"
+
+
 def machine(folder: str) -> str:
     fs = subprocess.run(["df", "-T", folder], capture_output=True, text=True).stdout.splitlines()[-1].split()
     return f"{os.cpu_count()} CPUs, folder {folder} on {fs[1]} ({fs[0]}), Python {sys.version.split()[0]}"
@@ -483,6 +542,9 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=128, help="MiB moved per throughput case")
     parser.add_argument("--blocks", type=int, default=1 << 20, help="blocks for rebuild and index memory")
     parser.add_argument("--reps", type=int, default=3, help="runs per throughput case (median)")
+    parser.add_argument("--threads", type=int, default=THREADS, help="I/O threads of every layout")
+    parser.add_argument("--throughput-only", action="store_true", help="skip latency, rebuild, memory")
+    parser.add_argument("--no-file-per-block", action="store_true", help="skip the file-per-block layout")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -497,20 +559,25 @@ def main() -> None:
 def report(folder: str, args) -> None:
     gb = 1e9
     print(f"`{' '.join(['.venv/bin/python', 'bench/bench_disk.py', *sys.argv[1:]])}`: {machine(folder)}\n")
+    print(f"Load average at start: {loadavg()}\n")
+    threads = args.threads
     print(
         f"### Throughput, GB/s ({args.mib} MiB per case, median of {args.reps} runs taken in turns, "
-        f"{THREADS} I/O threads, blocks of {LAYERS} pages)\n"
+        f"{threads} I/O threads for every layout but the one-thread baseline, blocks of {LAYERS} pages)\n"
     )
-    print("| block | layout | store (cached) | store (durable) | load (cold) | load (warm) |")
-    print("|---|---|---|---|---|---|")
-    ratios = {}
-    against_vllm: dict[int, dict[str, float]] = {}
+    header = "| block | layout | " + " | ".join(HEADERS) + " |"
+    rule = "|---|---|" + "---|" * len(HEADERS)
     cases = {
         "sequential baseline": lambda sub, pool, blocks, buf: sequential(sub, blocks * pool_bytes(pool), buf),
-        "slot file (chosen)": lambda sub, pool, blocks, buf: slot_file(sub, pool, blocks),
-        "file per block": lambda sub, pool, blocks, buf: file_per_block(sub, pool, blocks),
-        "vLLM 0.32 fs tier": lambda sub, pool, blocks, buf: vllm_fs(sub, buf, pool_bytes(pool), blocks),
+        "slot file (chosen)": lambda sub, pool, blocks, buf: slot_file(sub, pool, blocks, threads),
+        "file per block": lambda sub, pool, blocks, buf: file_per_block(sub, pool, blocks, threads),
+        "vLLM 0.32 fs tier": lambda sub, pool, blocks, buf: vllm_fs(
+            sub, buf, pool_bytes(pool), blocks, threads
+        ),
     }
+    if args.no_file_per_block:
+        del cases["file per block"]
+    all_runs = {}
     for block_bytes in (256 << 10, 2 << 20):
         blocks = (args.mib << 20) // block_bytes
         pool = make_pool(block_bytes, blocks)
@@ -524,33 +591,57 @@ def report(folder: str, args) -> None:
                 runs[name].append(case(sub, pool, blocks, buf))
                 shutil.rmtree(sub)
         del buf, pool
-        rows = {name: {c: statistics.median(r[c] for r in rs) for c in rs[0]} for name, rs in runs.items()}
-        for name, r in rows.items():
-            cells = " | ".join(f"{r[c] / gb:.2f}" for c in COLUMNS)
+        all_runs[block_bytes] = runs
+    print(header)
+    print(rule)
+    for block_bytes, runs in all_runs.items():
+        for name, rs in runs.items():
+            cells = " | ".join(f"{statistics.median(r[c] for r in rs) / gb:.2f}" for c in COLUMNS)
             print(f"| {block_bytes >> 10} KiB | {name} | {cells} |")
-        base = rows["sequential baseline"]
-        for name in ("slot file (chosen)", "file per block", "vLLM 0.32 fs tier"):
-            ratios[(block_bytes, name)] = {c: rows[name][c] / base[c] for c in base}
-        ours, theirs = rows["slot file (chosen)"], rows["vLLM 0.32 fs tier"]
-        against_vllm[block_bytes] = {c: ours[c] / theirs[c] for c in base}
-    print("\nSlot file (chosen) against vLLM 0.32's fs tier I/O, same bytes and threads (target >= 1.5x):\n")
-    print("| block | store (cached) | store (durable) | load (cold) | load (warm) |")
-    print("|---|---|---|---|---|")
-    for block_bytes, r in against_vllm.items():
-        print(f"| {block_bytes >> 10} KiB | " + " | ".join(f"{r[c]:.2f}x" for c in COLUMNS) + " |")
-    print("\nRatio to the sequential baseline:\n")
-    print("| block | layout | store (cached) | store (durable) | load (cold) | load (warm) |")
-    print("|---|---|---|---|---|---|")
-    for (block_bytes, name), r in ratios.items():
-        cells = " | ".join(f"{r[c]:.2f}x" for c in COLUMNS)
-        print(f"| {block_bytes >> 10} KiB | {name} | {cells} |")
 
-    wins = sum(
-        ratios[(b, "slot file (chosen)")][c] >= ratios[(b, "file per block")][c]
-        for b in (256 << 10, 2 << 20)
-        for c in COLUMNS
+    def ratio_rows(name: str, against: str) -> None:
+        for block_bytes, runs in all_runs.items():
+            per_run = [{c: a[c] / b[c] for c in COLUMNS} for a, b in zip(runs[name], runs[against])]
+            cells = " | ".join(
+                f"{statistics.median(r[c] for r in per_run):.2f} "
+                f"({min(r[c] for r in per_run):.2f}-{max(r[c] for r in per_run):.2f})"
+                for c in COLUMNS
+            )
+            print(f"| {block_bytes >> 10} KiB | {name} | {cells} |")
+
+    print(
+        "\nRatios taken within each run (variant / reference of the same repetition), "
+        "median (min-max) over the runs.\n\nTo the sequential baseline (target >= 0.8):\n"
     )
-    print(f"\nThe slot file is at least as fast as file-per-block in {wins} of {2 * len(COLUMNS)} cells.")
+    print(header)
+    print(rule)
+    for name in cases:
+        if name != "sequential baseline":
+            ratio_rows(name, "sequential baseline")
+    print("\nSlot file (chosen) to vLLM 0.32's fs tier I/O, same bytes and threads (target >= 1.5):\n")
+    print(header)
+    print(rule)
+    ratio_rows("slot file (chosen)", "vLLM 0.32 fs tier")
+    cpu_cols = ("cpu_store_fresh", "cpu_store_reused", "cpu_load_cold", "cpu_load_warm")
+    print(
+        "\nCPU seconds per GB moved (this process, every thread, user + system; the page cache's "
+        "writeback to the device is not in it), median; in brackets the ratio to the sequential "
+        "baseline of the same run, median:\n"
+    )
+    print("| block | layout | store fresh | store reused | load (cold) | load (warm) |")
+    print("|---|---|---|---|---|---|")
+    for block_bytes, runs in all_runs.items():
+        base = runs["sequential baseline"]
+        for name, rs in runs.items():
+            cells = " | ".join(
+                f"{statistics.median(r[c] for r in rs):.3f} "
+                f"({statistics.median(r[c] / b[c] for r, b in zip(rs, base)):.2f})"
+                for c in cpu_cols
+            )
+            print(f"| {block_bytes >> 10} KiB | {name} | {cells} |")
+    print(f"\nLoad average at the end of the throughput runs: {loadavg()}")
+    if args.throughput_only:
+        return
     print(
         "\n### Single-block load latency, ms (p50 / p99; 200 blocks of 256 KiB, 100 of 2 MiB, random order)\n"
     )
