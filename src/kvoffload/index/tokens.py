@@ -17,13 +17,10 @@ Contract:
 * ``chain(token_ids, block_size, extra)`` walks a prompt's full blocks of ``block_size``
   and returns the known hashes of its leading blocks, stopping at the first unknown one.
   ``extra(i)`` gives block ``i``'s extra keys as the engine would have published them.
-* Keys are 64-bit: a mix of the block's tokens (numpy, every block of an event or a
-  prompt at once), XORed with the parent hash times an odd constant and with the extra
-  keys' Python hash. Not collision resistant against chosen prompts (neither was Python's
-  tuple hash): a collision (about one in 2**64 per lookup for ordinary prompts) could
-  name a wrong hash, which can only make a block look held when it is not.
-* Memory is bounded: two generations of at most ``capacity / 2`` entries each; the
-  oldest generation is dropped when the newest fills.
+* Keys are Python's 64-bit hash of ``(parent, tokens, extra)``, so a collision (about one
+  in 2**64 per lookup) could name a wrong hash; a wrong hash can only make a block look
+  held when it is not. Memory is bounded: two generations of at most ``capacity / 2``
+  entries each; the oldest generation is dropped when the newest fills.
 * ``block_sizes`` lists the block sizes events were learned at (a tier offloading several
   device blocks as one announces at a multiple of the device block size).
 * Re-announcements are cheap: an event without ``extra_keys`` whose hashes the newest
@@ -34,11 +31,9 @@ Contract:
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 from msgspec import Raw
 
 from kvoffload.index.wire import token_list
@@ -47,47 +42,11 @@ from kvoffload.validation import positive_int
 DEFAULT_CAPACITY = 4_000_000
 
 
-_M64 = (1 << 64) - 1
-_PARENT = 0x9E3779B97F4A7C15  # odd: parent * _PARENT is a bijection of the parent
-_ROOT = 0x6A09E667F3BCC909  # the parent term of a first block (no parent)
-_EXTRA = 0xC2B2AE3D27D4EB4F
-_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
-_WEIGHTS: dict[int, np.ndarray] = {}  # per block size, one odd multiplier per position
-
-
-def _weights(block_size: int) -> np.ndarray:
-    w = _WEIGHTS.get(block_size)
-    if w is None:
-        rng = np.random.default_rng(block_size)
-        w = _WEIGHTS[block_size] = rng.integers(0, 2**63, block_size, dtype=np.uint64) * np.uint64(2) + 1
-    return w
-
-
-def _digests(tokens: Sequence[int], block_size: int, blocks: int) -> np.ndarray:
-    """One well-mixed u64 per block of ``block_size`` tokens (numpy, all blocks at once)."""
-    n = blocks * block_size
+def _key(parent: int | None, tokens: tuple, extra: Any) -> int:
     try:
-        flat = np.frombuffer(array("Q", tokens[:n] if len(tokens) != n else tokens), dtype=np.uint64)
-    except (OverflowError, TypeError):
-        flat = np.array([t & _M64 for t in tokens[:n]], dtype=np.uint64)
-    x = flat.reshape(blocks, block_size) * _weights(block_size)
-    x ^= x >> np.uint64(29)
-    x *= _MIX[0]
-    s = x.sum(axis=1, dtype=np.uint64)
-    s ^= s >> np.uint64(32)
-    s *= _MIX[1]
-    s ^= s >> np.uint64(29)
-    return s
-
-
-def _extra_term(extra: Any) -> int:
-    if extra is None:
-        return 0
-    try:
-        h = hash(extra)
+        return hash((parent, tokens, extra))
     except TypeError:  # extra keys decoded as lists (multimodal pairs) are unhashable
-        h = hash(repr(extra))
-    return ((h & _M64) * _EXTRA + 1) & _M64
+        return hash((parent, tokens, repr(extra)))
 
 
 class TokenChains:
@@ -127,20 +86,17 @@ class TokenChains:
             self.block_sizes[block_size] = None
         if seen is None:
             seen = self._seen.setdefault(block_size, set())
-        n = len(hashes)
-        terms = np.empty(n, dtype=np.uint64)
-        terms[0] = _ROOT if parent is None else (parent * _PARENT) & _M64
-        if n > 1:
-            terms[1:] = np.array(hashes[:-1], dtype=np.uint64) * np.uint64(_PARENT)
-        terms ^= _digests(tokens, block_size, n)
-        if extra_keys is not None:
-            terms ^= np.array([_extra_term(e) for e in extra_keys], dtype=np.uint64)
-        keys = terms.tolist()
         new = self._new
-        for before, h in zip(list(map(new.get, keys)), hashes):
+        start = 0
+        for i, h in enumerate(hashes):
+            end = start + block_size
+            key = _key(parent, tuple(tokens[start:end]), None if extra_keys is None else extra_keys[i])
+            before = new.get(key)
             if before is not None and before != h:
                 seen.discard(before)  # another hash function's chain took this key over
-        new.update(zip(keys, hashes))
+            new[key] = h
+            parent = h
+            start = end
         if extra_keys is None:
             seen.update(hashes)
         if len(new) >= self._half:
@@ -154,20 +110,18 @@ class TokenChains:
     ) -> list[int]:
         new, old = self._new, self._old
         out: list[int] = []
-        blocks = len(token_ids) // block_size
-        if not blocks or not (new or old):
-            return out
-        digests = _digests(token_ids, block_size, blocks).tolist()
-        term = _ROOT
-        for i, digest in enumerate(digests):
-            key = term ^ digest ^ (_extra_term(extra(i)) if extra else 0)
+        parent: int | None = None
+        for i in range(len(token_ids) // block_size):
+            key = _key(
+                parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra(i) if extra else None
+            )
             h = new.get(key)
             if h is None:
                 h = old.get(key)
                 if h is None:
                     break
             out.append(h)
-            term = (h * _PARENT) & _M64
+            parent = h
         return out
 
     def clear(self) -> None:
