@@ -2,12 +2,14 @@
 
 Run: .venv/bin/python bench/bench_index.py [--quick]   (prints markdown tables; ~1 minute)
 
-* ingest (in process): decoded batches applied to a ``BlockIndex`` by one thread, per
-  event shape; block hashes per second counts every hash of every event applied. Each
-  batch is one engine step: 4 events of 64 hashes (chunked prefill of 4 requests), the
-  device tier first, then the host tier re-announcing them (existing hashes), then the
-  device evicting them. "with tokens" events carry 16 token ids per block, which the
-  index learns chains from; "placeholder" events carry none.
+* ingest (in process): batches decoded as the index's sources decode them
+  (``kvoffload.index.wire.decode_batch``: token ids left encoded until learned) and
+  applied to a ``BlockIndex`` by one thread, per event shape; block hashes per second
+  counts every hash of every event applied. Each batch is one engine step: 4 events of
+  64 hashes (chunked prefill of 4 requests), the device tier first, then the host tier
+  re-announcing them (existing hashes), then the device evicting them. "with tokens"
+  events carry 16 token ids per block, which the index learns chains from;
+  "placeholder" events carry none.
 * ingest (ZMQ, end to end): 8 ``ZmqEventPublisher`` s in a child process publish those
   batches as fast as they can; an ``IndexService`` with one subscriber thread per
   publisher applies them; hashes/s from the first to the last batch applied, lost batches
@@ -36,6 +38,7 @@ import numpy as np
 
 from kvoffload.events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher, decode, encode
 from kvoffload.index import BlockIndex, IndexServer, IndexService, Registration
+from kvoffload.index.wire import decode_batch
 
 BS = 16
 ENGINES = 8
@@ -68,7 +71,7 @@ def bench_ingest_in_process(steps: int) -> list[tuple]:
         engine = index.add_engine("m", "t", "e", 0, BS)
         start = time.perf_counter()
         for payload in payloads:
-            index.apply(engine, decode(payload).events)
+            index.apply(engine, decode_batch(payload).events)
         elapsed = time.perf_counter() - start
         rows.append(("with tokens" if tokens else "placeholder", total, total / elapsed))
     return rows
