@@ -9,10 +9,10 @@ payload lies (no join) and read with one copy into where it goes.
   key, rows)``, ``rows`` the writable buffers the payload fills in order. Per item:
   ``True`` (the payload passed every check of ``format.check_head`` and the CRC32C and is
   now in ``rows``), ``None`` (no such key), a ``CorruptValue`` (a value of another
-  length, header, key, namespace or CRC), or a ``ServerError``. A value is received into
-  this thread's reusable scratch buffer, its CRC computed piece by piece as the bytes
-  arrive (still in cache), and copied into ``rows`` only once it passed: bytes of a value
-  that failed a check never reach them (the one copy redis-benchmark's reader makes too).
+  length, header, key, namespace or CRC), or a ``ServerError``. A value is checked where
+  the stream received it (its buffer) and copied into ``rows`` only once it passed: bytes
+  of a value that failed a check never reach them (one copy, as redis-benchmark's reader
+  makes one too).
 
 Socket errors, timeouts and protocol errors raise (the caller drops the connection); the
 rows of items not answered ``True`` are left as they were.
@@ -20,16 +20,16 @@ rows of items not answered ``True`` are left as they were.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
+import crc32c as _crc32c
+
 from kvoffload.tiers.redis.format import HEADER_BYTES, CorruptValue, check_head
-from kvoffload.tiers.redis.resp import RespStream, ServerError, bulk_head, command
+from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, bulk_head, command
 
 _SET = b"$3\r\nSET\r\n"
 _NX = b"\r\n$2\r\nNX\r\n"
-_local = threading.local()
 
 
 def set_nx(
@@ -57,15 +57,6 @@ def get_into(
     return [_one(stream, key, rows, digest) for _, key, rows in items]
 
 
-def _scratch(nbytes: int) -> memoryview:
-    """This thread's receive buffer, at least ``nbytes`` long (reused: no allocation, and
-    no zero-filling, per value)."""
-    buffer = getattr(_local, "buffer", None)
-    if buffer is None or len(buffer) < nbytes:
-        buffer = _local.buffer = bytearray(nbytes)
-    return memoryview(buffer)
-
-
 def _one(stream: RespStream, key: bytes, rows: Sequence[memoryview], digest: bytes) -> Any:
     length = stream.bulk_length()
     if length == -1 or isinstance(length, ServerError):
@@ -73,18 +64,16 @@ def _one(stream: RespStream, key: bytes, rows: Sequence[memoryview], digest: byt
     payload = sum(row.nbytes for row in rows)
     expected = HEADER_BYTES + len(key) + payload
     if length != expected:  # not this block: consume it, keep the rows out of it
-        stream.skip(length)
-        stream.end()
+        stream.skip(length + 2)
         return CorruptValue(f"value of {length} bytes, expected {expected}")
-    value = _scratch(length)
-    stream.read_into(value[:HEADER_BYTES])
-    crc = stream.read_into(value[HEADER_BYTES:length], 0)
-    stream.end()
+    value = stream.take(length + 2)  # valid until the next call on the stream
+    if value[length:] != b"\r\n":
+        raise ProtocolError("a bulk string not followed by CRLF")
     try:
         recorded = check_head(value, key, digest, payload, length)
     except CorruptValue as exc:
         return exc
-    if recorded != crc:
+    if _crc32c.crc32c(value[HEADER_BYTES:length]) != recorded:
         return CorruptValue("CRC32C mismatch")
     offset = HEADER_BYTES + len(key)
     for row in rows:  # only now: bytes of a value that failed a check never reach the rows

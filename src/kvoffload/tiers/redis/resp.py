@@ -12,9 +12,14 @@ retries. Every socket call is bounded by the socket's own timeout.
   ``ServerError`` (an error reply is returned, not raised: the server answered). RESP2
   and RESP3 both (redis-py negotiates RESP3 by default); RESP3 pushes are dropped.
 * ``bulk_length()``: the next reply's first line when a bulk string is expected: its
-  length, ``-1`` for a null, or a ``ServerError``. Its bytes are then consumed with
-  ``read_into`` (into a caller's buffer, optionally computing a CRC32C as they arrive)
-  and ``skip``, then ``end()`` (the closing CRLF).
+  length, ``-1`` for a null, or a ``ServerError``. Its bytes (and the closing CRLF) are
+  then consumed with ``take(n)``, a view into the receive buffer valid until the next
+  call, or ``skip(n)``.
+
+Replies are read into a receive buffer of the calling thread (reused from batch to batch,
+grown to four times the largest value taken), as many bytes per call as have arrived: a
+pipeline of values takes few calls, and each value is copied once, from there to where the
+caller wants it. One stream per thread at a time.
 
 Malformed input raises ``ProtocolError``; a closed connection ``ConnectionError``; socket
 errors and timeouts propagate. After any exception the stream and its socket are in an
@@ -25,14 +30,15 @@ from __future__ import annotations
 
 import os
 import ssl
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-import crc32c as _crc32c
-
 _CRLF = b"\r\n"
-_READ = 1 << 16  # the buffer: first lines and small replies come through it
-_FILL = 1 << 13  # read into it at most this at once: a value's bytes should go to its caller's buffer
+_BUFFER = 1 << 20  # a thread's receive buffer, to begin with; it grows to 4x the largest value
+_MAX_LINE = 1 << 16
+_MAX_BULK = 512 << 20  # the server's proto-max-bulk-len default: a longer length is garbage
+_local = threading.local()
 _IOV = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
 
 
@@ -70,8 +76,11 @@ class RespStream:
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._vectored = not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg")
-        self._buf = bytearray(_READ)
-        self._view = memoryview(self._buf)
+        buffer = getattr(_local, "buffer", None)  # one per thread, reused: no allocation per batch
+        if buffer is None:
+            buffer = _local.buffer = bytearray(_BUFFER)
+        self._buf = buffer
+        self._view = memoryview(buffer)
         self._start = 0  # unread bytes are _buf[_start:_end]
         self._end = 0
 
@@ -97,20 +106,29 @@ class RespStream:
 
     # -- receiving -----------------------------------------------------------------------
 
-    def _fill(self) -> None:
-        """Read more bytes into the buffer (after any unread ones)."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif self._end == len(self._buf):
-            if self._start == 0:
-                raise ProtocolError(f"a reply line longer than {_READ} bytes")
+    def _need(self, nbytes: int) -> None:
+        """At least ``nbytes`` unread bytes in the buffer: reads as much as has arrived (up
+        to the buffer's end), so a batch's replies come in with few calls."""
+        if self._end - self._start >= nbytes:
+            return
+        if self._start + nbytes > len(self._buf):  # no room after the unread bytes
             unread = self._end - self._start
-            self._buf[:unread] = self._buf[self._start : self._end]
+            if nbytes > len(self._buf):
+                if nbytes > _MAX_BULK + 64:
+                    raise ProtocolError(f"a reply of {nbytes} bytes (more than {_MAX_BULK})")
+                grown = bytearray(max(4 * nbytes, 2 * len(self._buf)))
+                grown[:unread] = self._view[self._start : self._end]
+                self._buf = _local.buffer = grown
+                self._view = memoryview(grown)
+            else:
+                self._view[:unread] = self._view[self._start : self._end]
             self._start, self._end = 0, unread
-        n = self._sock.recv_into(self._view[self._end :], min(_FILL, len(self._buf) - self._end))
-        if n == 0:
-            raise ConnectionError("the server closed the connection")
-        self._end += n
+        recv_into, view = self._sock.recv_into, self._view
+        while self._end - self._start < nbytes:
+            n = recv_into(view[self._end :])
+            if n == 0:
+                raise ConnectionError("the server closed the connection")
+            self._end += n
 
     def _line(self) -> bytes:
         while True:
@@ -119,7 +137,9 @@ class RespStream:
                 line = bytes(self._view[self._start : at])
                 self._start = at + 2
                 return line
-            self._fill()
+            if self._end - self._start > _MAX_LINE:
+                raise ProtocolError(f"a reply line longer than {_MAX_LINE} bytes")
+            self._need(self._end - self._start + 1)
 
     def _length(self, text: bytes) -> int:
         try:
@@ -142,10 +162,12 @@ class RespStream:
                 self.reply()
 
     def _bulk(self, n: int) -> bytes:
-        data = bytearray(n)
-        self.read_into(memoryview(data))
-        self.end()
-        return bytes(data)
+        if n > _MAX_BULK:
+            raise ProtocolError(f"a bulk string of {n} bytes (more than {_MAX_BULK})")
+        data = self.take(n + 2)
+        if data[n:] != _CRLF:
+            raise ProtocolError("a bulk string not followed by CRLF")
+        return bytes(data[:n])
 
     def reply(self) -> Any:
         line = self._head()
@@ -191,36 +213,18 @@ class RespStream:
             return ServerError(self._bulk(self._length(line[1:])).decode(errors="replace"))
         raise ProtocolError(f"expected a bulk string, got {line[:40]!r}")
 
-    def read_into(self, view: memoryview, crc: int | None = None) -> int | None:
-        """Fill ``view`` (writable, bytes) with the next ``len(view)`` bytes; with ``crc``,
-        return it extended over them (computed piece by piece, while they are in cache)."""
-        want, got = view.nbytes, min(view.nbytes, self._end - self._start)
-        if got:
-            view[:got] = self._view[self._start : self._start + got]
-            self._start += got
-            if crc is not None:
-                crc = _crc32c.crc32c(view[:got], crc)
-        recv_into = self._sock.recv_into
-        while got < want:
-            n = recv_into(view[got:])
-            if n == 0:
-                raise ConnectionError("the server closed the connection mid-reply")
-            if crc is not None:
-                crc = _crc32c.crc32c(view[got : got + n], crc)
-            got += n
-        return crc
+    def take(self, nbytes: int) -> memoryview:
+        """The next ``nbytes`` bytes, as a view into the stream's buffer that is valid only
+        until the next call on the stream."""
+        self._need(nbytes)
+        start = self._start
+        self._start += nbytes
+        return self._view[start : start + nbytes]
 
     def skip(self, nbytes: int) -> None:
+        """Drop the next ``nbytes`` bytes (without holding them all at once)."""
         while nbytes:
-            if self._start == self._end:
-                self._fill()
-            take = min(nbytes, self._end - self._start)
-            self._start += take
-            nbytes -= take
-
-    def end(self) -> None:
-        while self._end - self._start < 2:
-            self._fill()
-        if self._view[self._start : self._start + 2] != _CRLF:
-            raise ProtocolError("a bulk string not followed by CRLF")
-        self._start += 2
+            self._need(1)
+            n = min(nbytes, self._end - self._start)
+            self._start += n
+            nbytes -= n
