@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import resource
 import shutil
@@ -269,6 +270,22 @@ def slot_file(folder: str, pool: HostBlockPool, blocks: int, threads: int) -> di
     worker.close()
     manager.close()
     return result
+
+
+def slot_file_elsewhere(src: str, folder: str, block_bytes: int, blocks: int, threads: int) -> dict:
+    """``slot_file`` with the ``kvoffload`` package of another source tree (``src``, e.g.
+    an earlier commit's ``git archive``), in a child process on the same bytes
+    (``make_pool`` is seeded); its start-up is not timed."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import bench_disk as b; "
+        "print(json.dumps(b.slot_file(sys.argv[2], b.make_pool(int(sys.argv[3]), int(sys.argv[4])), "
+        "int(sys.argv[4]), int(sys.argv[5]))))"
+    )
+    env = dict(os.environ, PYTHONPATH=src)
+    argv = [sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), folder]
+    out = subprocess.run([*argv, str(block_bytes), str(blocks), str(threads)], env=env, check=True,
+                         capture_output=True, text=True)  # fmt: skip
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 def _disk_spec(spec, ids):
@@ -545,6 +562,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=THREADS, help="I/O threads of every layout")
     parser.add_argument("--throughput-only", action="store_true", help="skip latency, rebuild, memory")
     parser.add_argument("--no-file-per-block", action="store_true", help="skip the file-per-block layout")
+    parser.add_argument("--before-src", default=None, help="also run the slot file from this src folder")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -577,6 +595,10 @@ def report(folder: str, args) -> None:
     }
     if args.no_file_per_block:
         del cases["file per block"]
+    if args.before_src:
+        cases["slot file (before)"] = lambda sub, pool, blocks, buf: slot_file_elsewhere(
+            args.before_src, sub, pool_bytes(pool), blocks, threads
+        )
     all_runs = {}
     for block_bytes in (256 << 10, 2 << 20):
         blocks = (args.mib << 20) // block_bytes
