@@ -77,7 +77,7 @@ class TokenChains:
         if extra_keys is not None and len(extra_keys) != len(hashes):
             return 0
         seen = self._seen.get(block_size) if extra_keys is None else None
-        if seen is not None and seen.issuperset(hashes):
+        if seen is not None and all(map(seen.__contains__, hashes)):  # stops at the first new one
             return 0  # the newest generation has every block of it already
         tokens = token_list(token_ids)
         if tokens is None or len(tokens) != block_size * len(hashes):
