@@ -26,7 +26,7 @@ from typing import Any
 import crc32c as _crc32c
 
 from kvoffload.tiers.redis.format import HEADER_BYTES, CorruptValue, check_head
-from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, bulk_head, command
+from kvoffload.tiers.redis.resp import RespStream, ServerError, bulk_head, command
 
 _SET = b"$3\r\nSET\r\n"
 _NX = b"\r\n$2\r\nNX\r\n"
@@ -53,27 +53,25 @@ def set_nx(
 def get_into(
     stream: RespStream, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
 ) -> list[Any]:
-    stream.send([b"".join(command(b"GET", name) for name, _, _ in items)])
+    stream.send([b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name, _, _ in items)])
     return [_one(stream, key, rows, digest) for _, key, rows in items]
 
 
 def _one(stream: RespStream, key: bytes, rows: Sequence[memoryview], digest: bytes) -> Any:
-    length = stream.bulk_length()
-    if length == -1 or isinstance(length, ServerError):
-        return None if length == -1 else length
     payload = sum(row.nbytes for row in rows)
     expected = HEADER_BYTES + len(key) + payload
-    if length != expected:  # not this block: consume it, keep the rows out of it
-        stream.skip(length + 2)
-        return CorruptValue(f"value of {length} bytes, expected {expected}")
-    value = stream.take(length + 2)  # valid until the next call on the stream
-    if value[length:] != b"\r\n":
-        raise ProtocolError("a bulk string not followed by CRLF")
+    value = stream.bulk(expected)  # a view valid until the next call on the stream
+    if not isinstance(value, memoryview):
+        if value == -1:
+            return None
+        if isinstance(value, ServerError):
+            return value
+        return CorruptValue(f"value of {value} bytes, expected {expected}")  # not read into the rows
     try:
-        recorded = check_head(value, key, digest, payload, length)
+        recorded = check_head(value, key, digest, payload, expected)
     except CorruptValue as exc:
         return exc
-    if _crc32c.crc32c(value[HEADER_BYTES:length]) != recorded:
+    if _crc32c.crc32c(value[HEADER_BYTES:]) != recorded:
         return CorruptValue("CRC32C mismatch")
     offset = HEADER_BYTES + len(key)
     for row in rows:  # only now: bytes of a value that failed a check never reach the rows

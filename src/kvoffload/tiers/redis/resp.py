@@ -11,10 +11,10 @@ retries. Every socket call is bounded by the socket's own timeout.
   ``None`` (a null), a list (array, set, or a map's keys and values in turn), or a
   ``ServerError`` (an error reply is returned, not raised: the server answered). RESP2
   and RESP3 both (redis-py negotiates RESP3 by default); RESP3 pushes are dropped.
-* ``bulk_length()``: the next reply's first line when a bulk string is expected: its
-  length, ``-1`` for a null, or a ``ServerError``. Its bytes (and the closing CRLF) are
-  then consumed with ``take(n)``, a view into the receive buffer valid until the next
-  call, or ``skip(n)``.
+* ``bulk(n)``: the next reply where a bulk string of ``n`` bytes is expected: a view of
+  its bytes in the receive buffer, valid until the next call; otherwise its length (``-1``
+  for a null; a bulk string of another length is skipped, never held whole) or its
+  ``ServerError``. ``bulk_length()``, ``take(n)`` and ``skip(n)`` are its pieces.
 
 Replies are read into a receive buffer of the calling thread (reused from batch to batch,
 grown to four times the largest value taken), as many bytes per call as have arrived: a
@@ -212,6 +212,26 @@ class RespStream:
         if kind == b"!":
             return ServerError(self._bulk(self._length(line[1:])).decode(errors="replace"))
         raise ProtocolError(f"expected a bulk string, got {line[:40]!r}")
+
+    def bulk(self, nbytes: int) -> memoryview | int | ServerError:
+        """The next reply where a bulk string of ``nbytes`` bytes is expected: a view of
+        them (valid until the next call on the stream); otherwise the reply's length
+        (``-1``: a null; a bulk string of another length is dropped unread) or its
+        ``ServerError``."""
+        at = self._buf.find(_CRLF, self._start, self._end)
+        if at > self._start and self._buf[self._start] == 36:  # "$": the common case, inline
+            length = self._length(self._buf[self._start + 1 : at])
+            self._start = at + 2
+        else:
+            length = self.bulk_length()
+        if length != nbytes:
+            if isinstance(length, int) and length >= 0:
+                self.skip(length + 2)
+            return length
+        view = self.take(nbytes + 2)
+        if view[nbytes:] != _CRLF:
+            raise ProtocolError("a bulk string not followed by CRLF")
+        return view[:nbytes]
 
     def take(self, nbytes: int) -> memoryview:
         """The next ``nbytes`` bytes, as a view into the stream's buffer that is valid only
