@@ -1,14 +1,9 @@
 """End to end on a real vLLM engine (CPU build) with a tiny random Llama built offline."""
 
-import os
 import random
 import threading
 
 import pytest
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 import torch  # noqa: E402
@@ -38,8 +33,8 @@ def prompt(seed: int, n: int = 2000) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+def model_path(tiny_llama: str) -> str:
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +311,38 @@ def test_failed_loads_are_recomputed(model_path, baseline):
         assert (stats.failed_loads, stats.blocks_loaded, stats.tokens_loaded) == (1, 0, 62 * 32)
     finally:
         close_llm(llm)
+
+
+def test_events_reach_vllm_as_its_own_classes_with_every_field():
+    import msgspec
+    from vllm.distributed import kv_events as vllm_events
+
+    from kvoffload.events.types import AllBlocksCleared
+    from kvoffload.integrations.vllm.scheduler_side import to_vllm_event
+
+    stored = BlockStored(
+        block_hashes=[11, 12],
+        parent_block_hash=10,
+        token_ids=list(range(64)),
+        block_size=32,
+        lora_id=3,
+        medium="CPU",
+        lora_name="adapter",
+        extra_keys=[("salt",), None],
+        group_idx=1,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=128,
+        locality="host",
+        ownership="replica",
+        session_id="s",
+    )
+    removed = BlockRemoved(block_hashes=[11], medium="CPU", group_idx=1, locality="host", ownership="replica")
+    for ours, theirs in (
+        (stored, vllm_events.BlockStored),
+        (removed, vllm_events.BlockRemoved),
+        (AllBlocksCleared(), vllm_events.AllBlocksCleared),
+    ):
+        converted = to_vllm_event(ours)
+        assert type(converted) is theirs
+        values = msgspec.structs.asdict(ours)
+        assert converted == theirs(**{k: values[k] for k in theirs.__struct_fields__})
