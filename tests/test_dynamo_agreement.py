@@ -36,7 +36,6 @@ queries x 2 instances):
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import threading
@@ -46,16 +45,11 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 pytest.importorskip("vllm")
 import zmq  # noqa: E402
 
 from dynamo_env import DynamoIndexer, DynamoUnavailable, dynamo_python, http_call, required  # noqa: E402
 from kvoffload.demo.offline import close_llm, kv_block_bytes, make_llm, settle, word_text  # noqa: E402
-from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 from kvoffload.events.codec import decode, encode  # noqa: E402
 from kvoffload.events.types import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 from kvoffload.index import BlockIndex, IndexServer, IndexService, TierWeights  # noqa: E402
@@ -80,8 +74,8 @@ def dynamo() -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+def model(tiny_llama: str) -> str:
+    return tiny_llama
 
 
 class Recorder:

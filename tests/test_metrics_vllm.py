@@ -3,14 +3,9 @@ run did: kvoffload's own endpoint (``kvoffload.metrics.serve``, reading the in-p
 connector's halves) and vLLM's registry fed through the connector stats path, including
 ``vllm:prompt_tokens_cached_by_source_total{source="host"}``."""
 
-import os
 import urllib.request
 
 import pytest
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 
@@ -24,7 +19,6 @@ from kvoffload.demo.offline import (  # noqa: E402
     settle,
     word_text,
 )
-from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -34,8 +28,8 @@ OFFLOADED = BLOCKS * 32
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+def model(tiny_llama: str) -> str:
+    return tiny_llama
 
 
 def generate(llm, texts):

@@ -3,13 +3,7 @@ small CPU tier: a prefix evicted from the CPU tier is served from disk, and an e
 started again on the same ``root_dir`` serves an earlier prompt's prefix from disk; the
 outputs are those of the engine computing everything itself."""
 
-import os
-
 import pytest
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 
@@ -24,7 +18,6 @@ from kvoffload.demo.offline import (
 from kvoffload.demo.offline import (  # noqa: E402
     greedy as generate,
 )
-from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -33,8 +26,8 @@ OFFLOADED = 62 * 32
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+def model(tiny_llama: str) -> str:
+    return tiny_llama
 
 
 def fs_engine(model, root):

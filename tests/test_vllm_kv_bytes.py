@@ -11,13 +11,7 @@ second time, so a position that kvoffload failed to load cannot pass by still ho
 the first request's bytes.
 """
 
-import os
-
 import pytest
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 import torch  # noqa: E402
@@ -32,7 +26,6 @@ from kvoffload.demo.offline import (
 from kvoffload.demo.offline import (  # noqa: E402
     greedy as generate,
 )
-from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -95,8 +88,8 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    engines = Engines(str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")))
+def engines(tiny_llama: str):
+    engines = Engines(tiny_llama)
     try:
         yield engines
     finally:

@@ -3,15 +3,10 @@ serves, from the shared tier, the prefix that engine A computed; with the server
 mid-run and started again, no exception reaches the engine, outputs stay those of
 recomputation, and the tier stores again after the recovery."""
 
-import os
 import sys
 import time
 
 import pytest
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 
@@ -26,7 +21,6 @@ from kvoffload.demo.offline import (
 from kvoffload.demo.offline import (  # noqa: E402
     greedy as generate,
 )
-from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -36,8 +30,8 @@ OFFLOADED = 62 * 32
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+def model(tiny_llama: str) -> str:
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ pytest.importorskip("vllm")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvoffload.demo.offline import kv_block_bytes, kv_transfer_config, word_text  # noqa: E402
-from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -77,8 +76,8 @@ def wait_ready(proc: subprocess.Popen, port: int, log_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+def model(tiny_llama: str) -> str:
+    return tiny_llama
 
 
 def test_openai_server_serves_overflowing_prompts_from_kvoffload(model, tmp_path):

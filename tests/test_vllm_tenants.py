@@ -4,18 +4,11 @@ prefix cache), the same salt after ``reset_prefix_cache`` gets its prefix from k
 every output equals recomputation, and the CPU tier's ``BlockStored`` events carry the
 salt in ``extra_keys`` exactly as the engine's own ``GPU`` events do."""
 
-import os
-
 import pytest
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 
 from kvoffload.demo.offline import close_llm, greedy, make_llm, scheduler_connector, settle, word_text  # noqa: E402
-from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 from kvoffload.events.types import BlockStored  # noqa: E402
 from test_vllm_connector import Subscriber, drain  # noqa: E402
 
@@ -33,8 +26,8 @@ def loaded(llm) -> int:
     return scheduler_connector(llm).offload_stats().tokens_loaded
 
 
-def test_another_salt_never_shares_offloaded_blocks(tmp_path):
-    model = str(build_tiny_llama(tmp_path / "tiny-llama"))
+def test_another_salt_never_shares_offloaded_blocks(tiny_llama: str):
+    model = tiny_llama
     text = word_text(7, PROMPT)
     sub = Subscriber()
     llm = make_llm(

@@ -6,13 +6,7 @@ tests check the tiering path itself (write-through, promotion, the scheduler and
 worker routing) on the real engine, independent of any storage medium.
 """
 
-import os
-
 import pytest
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 from kvoffload.demo.offline import (
@@ -26,7 +20,6 @@ from kvoffload.demo.offline import (
 from kvoffload.demo.offline import (  # noqa: E402
     greedy as generate,
 )
-from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 from shelf_tier import ShelfTierType  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -36,8 +29,8 @@ OFFLOADED = 62 * 32
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    model = str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+def llm(tiny_llama: str):
+    model = tiny_llama
     # The CPU tier holds 70 blocks: the second prompt's 62 evict most of the first one's.
     extra = {
         "cpu_bytes_to_use": 70 * kv_block_bytes(model),

@@ -11,15 +11,10 @@
   after the burst.
 """
 
-import os
 import random
 from collections import defaultdict
 
 import pytest
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 
