@@ -158,10 +158,11 @@ def test_corrupt_values_in_a_batch_are_misses_deleted_and_never_copied(redis_ser
 class ChunkyProxy:
     """TCP between the worker and a server, relayed in pieces of 1..``piece`` bytes through
     small socket buffers (the worker's sends are partial, its reads get odd pieces);
-    ``on_reply(total)`` is called as reply bytes go back."""
+    ``hook(direction, total)`` (when set) is called as ``"request"`` and ``"reply"`` bytes
+    pass. A client that arrives while the server is down is hung up on."""
 
-    def __init__(self, port: int, piece: int = 1500, on_reply=None) -> None:
-        self.port_to, self.piece, self.on_reply = port, piece, on_reply
+    def __init__(self, port: int, piece: int = 1500) -> None:
+        self.port_to, self.piece, self.hook = port, piece, None
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
         self.sockets: list[socket.socket] = []
@@ -171,25 +172,30 @@ class ChunkyProxy:
         while True:
             try:
                 client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            try:
                 server = socket.create_connection(("127.0.0.1", self.port_to))
             except OSError:
-                return
+                client.close()
+                continue
             for s in (client, server):  # small windows, and no waits for delayed ACKs
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
             self.sockets += (client, server)
-            threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, self.on_reply), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, "request"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, "reply"), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, hook) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
         rng, total = random.Random(len(self.sockets)), 0
         try:
             while data := src.recv(rng.randint(1, self.piece)):
                 dst.sendall(data)
                 total += len(data)
+                hook = self.hook
                 if hook is not None:
-                    hook(total)
+                    hook(direction, total)
         except OSError:
             pass
         for s in (src, dst):
@@ -221,34 +227,35 @@ def test_small_pieces_through_tiny_buffers_change_nothing(redis_server):  # noqa
 
 @pytest.mark.parametrize("direction", ["load", "store"])
 def test_the_server_killed_mid_batch_fails_the_job_opens_the_breaker_and_recovers(tmp_path, direction):
+    """The server is killed once 1 MiB of the batch (its replies for a load, its commands
+    for a store) went through: the job fails, the breaker opens, and it closes again once
+    the server is back."""
     server = RedisServer(tmp_path).start()
     killed = threading.Event()
+    side = "reply" if direction == "load" else "request"
 
-    def kill_once_a_value_is_on_its_way(total: int) -> None:
-        if armed.is_set() and not killed.is_set() and total > 1 << 20:
+    def kill_mid_batch(passing: str, total: int) -> None:
+        if passing == side and total > 1 << 20 and not killed.is_set():
             killed.set()
             server.kill()
 
-    armed = threading.Event()
-    proxy = ChunkyProxy(server.port, piece=64 * 1024, on_reply=kill_once_a_value_is_on_its_way)
+    proxy = ChunkyProxy(server.port, piece=64 * 1024)
     a = Worker(proxy.url, make_pool((1 << 20,), blocks=16), timeout=5.0)
-    keys = [k(i) for i in range(16)]
     if direction == "load":
+        keys = [k(i) for i in range(16)]
         assert a.store(keys, list(range(16))).success
-        armed.set()
+        proxy.hook = kill_mid_batch
         result = a.load(keys, list(range(16)))
-    else:  # the kill comes from the store's side: when the first bytes of it went out
-        proxy.on_reply = None
-        armed.set()
-        threading.Timer(0.05, lambda: (killed.set(), server.kill())).start()
+    else:  # 64 MiB of commands: the kill comes after the first MiB
+        proxy.hook = kill_mid_batch
         result = a.store([k(i) for i in range(100, 164)], list(range(16)) * 4)
-    assert killed.wait(10)
+    assert killed.is_set()
     assert not result.success, "a job cut short must fail"
     assert a.calls.down and a.calls.outages == 1
     counters = a.worker.counters()
     assert counters.loads_failed + counters.stores_dropped == 1
+    proxy.hook = None
     server.start()
-    proxy.on_reply = None
 
     def recovered() -> bool:
         return a.store([k(50)], [0]).success
