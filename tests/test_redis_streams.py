@@ -268,3 +268,35 @@ def test_the_server_killed_mid_batch_fails_the_job_opens_the_breaker_and_recover
     a.close()
     proxy.close()
     server.stop()
+
+
+def test_a_connection_without_a_plain_socket_falls_back_to_redis_py_commands(redis_server, monkeypatch):  # noqa: F811
+    """Where a connection exposes no socket the RESP path can use, the same batches go
+    through redis-py's commands: byte-exact, the same values, SET NX kept."""
+    import types
+
+    from kvoffload.tiers.redis import calls
+
+    class NotASocket:  # nothing is an instance: every connection looks socket-less
+        pass
+
+    monkeypatch.setattr(calls, "socket", types.SimpleNamespace(socket=NotASocket))
+    widths = (4097, 3)
+    a, b = (
+        Worker(redis_server.url, make_pool(widths, seed=1)),
+        Worker(redis_server.url, make_pool(widths, seed=2)),
+    )
+    keys = [k(100 + i) for i in range(4)]
+    assert a.store(keys, [0, 1, 2, 3]).success
+    assert b.store(keys[:2], [0, 1]).success  # present already: left as they are
+    assert b.worker.counters().already_present == 2
+    client = redis_server.client()
+    for i, key in enumerate(keys):
+        assert client.get(NAMES.name(key)) == encode(key, rows_of(a.pool, i), NAMES.digest)
+    assert b.load(keys[::-1], [7, 6, 5, 4]).success
+    for i in range(4):
+        assert rows_of(b.pool, 7 - i) == rows_of(a.pool, 3 - i)
+    assert a.calls.command_batches and b.calls.command_batches
+    assert a.calls.streamed_batches == b.calls.streamed_batches == 0
+    a.close()
+    b.close()
