@@ -1,25 +1,35 @@
 """The local-disk tier: layouts, throughput against a sequential baseline, latency,
 index rebuild speed and index memory.
 
-Run: .venv/bin/python bench/bench_disk.py [--dir DIR] [--mib 256] [--quick]
+Run: .venv/bin/python bench/bench_disk.py [--dir DIR] [--mib 128] [--reps 3] [--threads 4]
+     [--throughput-only] [--no-file-per-block] [--before-src DIR] [--quick]
 
 Everything runs in one folder (``--dir``, default a fresh folder under /tmp) in one run:
 
 * **Against vLLM**: vLLM 0.32's own fs-tier I/O functions (file per block, its C
   extension) on the same bytes with the same threads and job size (``vllm_fs``).
-* **Throughput** of ``FSWorker`` (the chosen layout: one preallocation-free slot file plus a
-  header file, ``kvoffload.tiers.fs``) and of a *file-per-block* layout written here for
-  the comparison (one file per block named by its key, written to a temporary name and
-  renamed, header + payload, the same CRC32C, the same 4 threads), against a plain
-  sequential write/read of the same bytes (8 MiB ``write``/``readinto`` calls, one
-  thread: ``dd``-like). Blocks come from a real ``HostBlockPool`` of 32 layer tensors
-  (a per-layer layout: each block is 32 pages, one ``pwritev``/``preadv`` of 32 buffers).
-  *Store (cached)* is submit-to-done with the data landing in the page cache;
-  *store (durable)* adds ``os.sync()`` (every variant pays the same flush). Before every
-  cold *load* each file involved is ``fsync``ed and dropped from the page cache with
-  ``posix_fadvise(DONTNEED)``, so reads come from the device (a VM's host may still cache
-  its virtual disk); *warm* loads read the page cache. ``O_DIRECT`` is not used: the host
-  pool's rows are neither 4 KiB-aligned nor 4 KiB-sized in general.
+* **Throughput** of ``FSWorker`` (the chosen layout: a slot file, its space reserved
+  ahead of the writes, plus a header file, ``kvoffload.tiers.fs``) and of a
+  *file-per-block* layout written here for the comparison (one file per block named by
+  its key, written to a temporary name and renamed, header + payload, the same CRC32C),
+  with the same ``--threads`` (default 4) and 16 MiB jobs, against a plain sequential
+  write/read of the same bytes (8 MiB ``write``/``readinto`` calls, one thread:
+  ``dd``-like). ``--before-src`` adds the slot file of another source tree, run in a
+  child process on the same bytes. Blocks come from a real ``HostBlockPool`` of 32 layer
+  tensors (a per-layer layout: each block is 32 pages).
+  Every layout stores twice, in the same states: *fresh* (a new file, namespace or
+  files) and *reused* (the steady state of a full tier: the slot file's second fill
+  evicts the first and reuses its slots; the per-block layouts delete the first fill's
+  files, untimed, as an eviction does; the baseline rewrites its file in place; the page
+  cache is dropped first). *Cached* is submit-to-done with the data in the page cache;
+  *durable* adds ``os.sync()`` (dirty data of earlier steps is flushed before every
+  clock starts). Before every cold *load* each file involved is ``fsync``ed and dropped
+  from the page cache with ``posix_fadvise(DONTNEED)`` (a VM's host may still cache its
+  virtual disk); *warm* loads read the page cache. ``O_DIRECT`` is not used.
+  Repetitions run the layouts in turns; ratios are taken within each repetition
+  (median, min-max); CPU seconds per GB (``getrusage``, every thread) are given beside
+  wall-clock GB/s, and the load average at start and end: on a shared machine the wall
+  figures swing with other work, CPU per byte far less.
 * **Latency** of single-block loads, p50/p99: ``FSWorker`` submit-to-done, and the two
   layouts' read functions called directly, cold (dropped cache) and warm.
 * **Rebuild**: the header file of 1 M blocks (written here record by record, the data file
