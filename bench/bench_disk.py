@@ -606,6 +606,12 @@ def report(folder: str, args) -> None:
     if args.no_file_per_block:
         del cases["file per block"]
     if args.before_src:
+        # both trees in a child process each, so that neither pays for this process's
+        # heap (vLLM imported: more for the garbage collector to walk) and the other not
+        here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+        cases["slot file (chosen, child)"] = lambda sub, pool, blocks, buf: slot_file_elsewhere(
+            here, sub, pool_bytes(pool), blocks, threads
+        )
         cases["slot file (before)"] = lambda sub, pool, blocks, buf: slot_file_elsewhere(
             args.before_src, sub, pool_bytes(pool), blocks, threads
         )
