@@ -17,6 +17,7 @@ from kvoffload.demo.offline import (
     scheduler_connector,
     settle,
     word_text,
+    worker_connector,
 )
 from kvoffload.demo.offline import (  # noqa: E402
     greedy as generate,
@@ -132,6 +133,8 @@ def test_prefix_served_from_cpu_tier_matches_recomputation(model_path, baseline)
         assert stats.tokens_loaded - before == 31 * 64 - 33 * 32
         assert stats.failed_loads == 0
 
+        # The KV cache is in host memory: a step waits for the stores it started.
+        assert worker_connector()._worker.sync_stores is True
         # Corrupt the host copies: the next load must change the output.
         pool = host_transfer_engine().host_pool
         gen = torch.Generator().manual_seed(0)

@@ -3,7 +3,8 @@
 
 Per step (vLLM's call order): ``handle_preemptions`` waits for the jobs of preempted
 requests; ``start_load_kv`` submits loads (before the forward pass); ``wait_for_save``
-submits stores (after it, when the blocks hold this step's KV); ``get_finished`` polls
+submits stores (after it, when the blocks hold this step's KV), and with ``sync_stores``
+(by default when the KV cache is in host memory) waits for them; ``get_finished`` polls
 results and reports requests whose loads finished (``finished_recving``) and held
 requests whose jobs all finished (``finished_sending``), without ever waiting; ``build_worker_meta`` sends the
 finished jobs to the scheduler; device blocks of failed loads go to
@@ -44,6 +45,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._rejected_loads: set[str] = set()  # requests whose load failed at submit
         self.metrics = WorkerMetrics()  # every job's outcome, for kvoffload.metrics and vLLM's stats
+        # "auto" is decided by the KV cache's device in register_kv_caches
+        self.sync_stores = config is not None and config.sync_stores is True
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         interval = self._config.switch_interval_s
@@ -51,6 +54,8 @@ class WorkerSide:
             logger.info("kvoffload: switch interval %g s -> %g s", sys.getswitchinterval(), interval)
             sys.setswitchinterval(interval)
         layout = build_layout(kv_caches, self._kv_cache_config)
+        if self._config.sync_stores == "auto":
+            self.sync_stores = layout.device.type == "cpu"
         tiers = self._config.tiers
         per_block = host_block_bytes(self._kv_cache_config, tiers.blocks_per_offload_block)
         identity = kv_identity(self._vllm_config, self._kv_cache_config, tiers.blocks_per_offload_block)
@@ -78,6 +83,9 @@ class WorkerSide:
 
     def start_stores(self, plan: StepPlan) -> None:
         self._submit(plan.stores)
+        if self.sync_stores and plan.stores:
+            # The results stay with the worker: get_finished reports them as usual.
+            self.worker.wait([job.job_id for job in plan.stores])
 
     def _submit(self, jobs: list[TransferJob]) -> None:
         assert self.worker is not None, "register_kv_caches was not called"
