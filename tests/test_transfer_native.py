@@ -35,8 +35,9 @@ def _disjoint_ranges(rng: np.random.Generator, lengths: list[int], span: int) ->
     return offsets
 
 
+@pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_every_range_lands_and_nothing_else_changes(seed: int) -> None:
+def test_every_range_lands_and_nothing_else_changes(seed: int, stream: bool) -> None:
     rng = np.random.default_rng(seed)
     lengths = [LENGTHS[i] for i in rng.permutation(len(LENGTHS))]
     span = sum(lengths) + 41 * len(lengths) + 64
@@ -48,7 +49,7 @@ def test_every_range_lands_and_nothing_else_changes(seed: int) -> None:
     for s, d, n in zip(src_offsets, dst_offsets, lengths):
         want[d : d + n] = src[s : s + n]
     runs = native.ByteRuns(src_offsets, dst_offsets, np.array(lengths))
-    native.copy(dst.ctypes.data, src.ctypes.data, runs)
+    native.copy(dst.ctypes.data, src.ctypes.data, runs, stream)
     np.testing.assert_array_equal(dst, want)
     assert runs.nbytes == sum(lengths)
 
@@ -73,10 +74,10 @@ def test_runs_of_padded_rows_become_one_range_per_row(pad: int) -> None:
 def test_bad_calls_are_refused_naming_the_problem() -> None:
     from kvoffload.transfer import _rowcopy
 
-    with pytest.raises(TypeError, match="6 arguments, got 2"):
+    with pytest.raises(TypeError, match="7 arguments, got 2"):
         _rowcopy.copy_runs(0, 0)
     with pytest.raises(ValueError, match="count must be >= 0, got -1"):
-        _rowcopy.copy_runs(0, 0, 0, 0, 0, -1)
+        _rowcopy.copy_runs(0, 0, 0, 0, 0, -1, True)
     with pytest.raises(ValueError, match="one entry per range"):
         native.ByteRuns(np.zeros(2), np.zeros(2), np.zeros(1))
 

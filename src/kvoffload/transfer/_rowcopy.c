@@ -1,7 +1,8 @@
 /* kvoffload.transfer._rowcopy: many host-memory byte ranges copied in one call.
  *
- * copy_runs(dst, src, dst_offsets, src_offsets, lengths, count) -> None
+ * copy_runs(dst, src, dst_offsets, src_offsets, lengths, count, stream) -> None
  *   For i < count: copy lengths[i] bytes from src + src_offsets[i] to dst + dst_offsets[i].
+ *   stream (bool): write ranges of STREAM_MIN bytes and more with streaming stores.
  *   dst and src are addresses (ints); the three arrays are addresses of int64 arrays of
  *   ``count`` entries. Ranges must not overlap one another or themselves; the caller
  *   (kvoffload.transfer.row_plan) guarantees that and that every range lies inside memory
@@ -9,10 +10,11 @@
  *
  * Why not numpy: a copy between rows scattered on both sides is one numpy call per row,
  * and plain stores make the CPU read every destination line before writing it (a third of
- * the memory traffic of a copy). On x86-64 a range of at least STREAM_MIN bytes is written
- * with non-temporal (streaming) stores, which skip that read; the destination does not
- * stay in cache, which a KV copy of megabytes would evict anyway. Elsewhere, and for
- * small ranges, memcpy.
+ * the memory traffic of a copy). With ``stream`` on x86-64, a range of at least STREAM_MIN
+ * bytes is written with non-temporal (streaming) stores, which skip that read; the
+ * destination then does not stay in cache: right for a store into the host pool (read
+ * again much later, if ever), wrong for a load into KV the engine reads next. Otherwise,
+ * and for small ranges, memcpy.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -53,14 +55,16 @@ static void stream_copy(char *dst, const char *src, size_t n) {
 #endif
 
 static void copy_all(char *dst, const char *src, const int64_t *dst_off, const int64_t *src_off,
-                     const int64_t *len, Py_ssize_t count) {
+                     const int64_t *len, Py_ssize_t count, int stream) {
 #if HAVE_STREAM
     int streamed = 0;
+#else
+    (void)stream;
 #endif
     for (Py_ssize_t i = 0; i < count; i++) {
         size_t n = (size_t)len[i];
 #if HAVE_STREAM
-        if (n >= STREAM_MIN) {
+        if (stream && n >= STREAM_MIN) {
             stream_copy(dst + dst_off[i], src + src_off[i], n);
             streamed = 1;
             continue;
@@ -75,8 +79,8 @@ static void copy_all(char *dst, const char *src, const int64_t *dst_off, const i
 
 static PyObject *copy_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "copy_runs takes 6 arguments, got %zd", nargs);
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "copy_runs takes 7 arguments, got %zd", nargs);
         return NULL;
     }
     void *ptr[5];
@@ -90,16 +94,18 @@ static PyObject *copy_runs(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_Format(PyExc_ValueError, "copy_runs: count must be >= 0, got %zd", count);
         return NULL;
     }
+    int stream = PyObject_IsTrue(args[6]);
+    if (stream < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     copy_all((char *)ptr[0], (const char *)ptr[1], (const int64_t *)ptr[2], (const int64_t *)ptr[3],
-             (const int64_t *)ptr[4], count);
+             (const int64_t *)ptr[4], count, stream);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"copy_runs", (PyCFunction)(void (*)(void))copy_runs, METH_FASTCALL,
-     "copy_runs(dst, src, dst_offsets, src_offsets, lengths, count): copy byte ranges (addresses)."},
+     "copy_runs(dst, src, dst_offsets, src_offsets, lengths, count, stream): copy byte ranges."},
     {NULL, NULL, 0, NULL},
 };
 

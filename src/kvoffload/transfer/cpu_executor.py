@@ -13,7 +13,8 @@ per layer. Two copiers:
 
 * native (default when built, ``kvoffload.transfer.native``): a unit is a list of byte
   ranges (``row_plan.plan_runs``: rows consecutive on both sides join into one range)
-  copied by one C call without the GIL, with streaming stores on x86-64. A pair of rows
+  copied by one C call without the GIL; stores write the host pool with streaming stores
+  on x86-64, loads write the engine's KV with plain ones (it is read next). A pair of rows
   scattered on both sides costs one range, not one Python-level call.
 * numpy (without a C compiler at install): one gather, scatter or slice copy per run of
   consecutive rows (``row_plan.plan_copies``), rows viewed as the widest integer type
@@ -146,7 +147,7 @@ class CPUExecutor:
 
     def _run_native(self, store: bool, pieces: Sequence[Piece]) -> None:
         plans: dict[tuple[int, ...], list[native.ByteRuns]] = {}
-        tasks: list[tuple[int, int, native.ByteRuns]] = []
+        tasks: list[tuple[int, int, native.ByteRuns, bool]] = []
         for tensor, device_rows, host_rows in pieces:
             name = self.layout.names[tensor]
             device, host = self.layout.tensors[tensor], self.pool.sub_blocks(tensor)
@@ -161,7 +162,9 @@ class CPUExecutor:
             if key not in plans:
                 units = plan_runs(src_rows, dst_rows, self.chunk_bytes // max(page, 1))
                 plans[key] = [native.ByteRuns.of(u, src.stride(0), dst.stride(0), page) for u in units]
-            tasks.extend((dst.data_ptr(), src.data_ptr(), runs) for runs in plans[key])
+            # Stores stream into the host pool (read again much later, if ever); loads use
+            # plain stores and leave the KV in cache for the forward pass that reads it next.
+            tasks.extend((dst.data_ptr(), src.data_ptr(), runs, store) for runs in plans[key])
         self._copies.run(tasks, native.copy)
 
     def _run_numpy(self, store: bool, pieces: Sequence[Piece]) -> None:

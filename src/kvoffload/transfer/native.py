@@ -2,7 +2,7 @@
 
 ``kvoffload.transfer._rowcopy`` (C, built at install when a compiler is present; see
 pyproject.toml) copies a list of byte ranges per call without the GIL, with streaming
-stores on x86-64 (see the C file for why). ``AVAILABLE`` says whether it was built; the
+stores on x86-64 when asked (see the C file for why). ``AVAILABLE`` says whether it was built; the
 CPU executor falls back to numpy (``row_plan.plan_copies``) without it.
 
 ``ByteRuns.of(runs, src_step, dst_step, row_bytes)`` turns a unit of row runs
@@ -64,8 +64,11 @@ class ByteRuns:
         return int(self.lengths.sum())
 
 
-def copy(dst_address: int, src_address: int, runs: ByteRuns) -> None:
-    """Copy every range of ``runs`` (see the module contract); releases the GIL."""
+def copy(dst_address: int, src_address: int, runs: ByteRuns, stream: bool = True) -> None:
+    """Copy every range of ``runs`` (see the module contract); releases the GIL.
+    ``stream``: write with streaming stores where available, leaving the destination out
+    of the CPU's caches (for bytes nobody reads soon, such as a store into the host pool;
+    not for KV the engine reads next)."""
     if _rowcopy is None:
         raise RuntimeError("kvoffload.transfer._rowcopy was not built (no C compiler at install)")
-    _rowcopy.copy_runs(dst_address, src_address, *runs._arguments)
+    _rowcopy.copy_runs(dst_address, src_address, *runs._arguments, stream)
