@@ -23,6 +23,7 @@ from kvoffload.tiers.redis.format import KeyNames, encode
 from kvoffload.tiers.redis.worker import RedisWorker
 from kvoffload.transfer import HostBlockPool, KVLayout
 from redis_server import RedisServer, redis_server  # noqa: F401 - fixture
+from worker_jobs import run_job
 
 NAMES = KeyNames("kvoffload", "kvr-streams")
 
@@ -53,10 +54,7 @@ class Worker:
 
     def run(self, src, dst, timeout: float = 30.0):
         self.job += 1
-        self.worker.submit(self.job, src, dst)
-        self.worker.wait([self.job], timeout)
-        (result,) = self.worker.poll()
-        return result
+        return run_job(self.worker, self.job, src, dst, timeout)
 
     def store(self, keys, host_ids):
         return self.run(CPULoadStoreSpec(host_ids), RemoteLoadStoreSpec(keys))

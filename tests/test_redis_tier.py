@@ -20,6 +20,7 @@ from kvoffload.tiers.tiered import TieredOffloadingManager
 from kvoffload.transfer import HostBlockPool, KVLayout
 from redis_server import RedisServer, redis_server  # noqa: F401 - fixture
 from transfer_oracle import randomize, three_group_layer_caches
+from worker_jobs import run_job
 
 HIT, MISS, RETRY, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.PENDING
 IDENTITY = {"model": "test", "dtype": "uint8", "block_size": 8}
@@ -68,10 +69,7 @@ class Replica:
 
     def run(self, src, dst, timeout: float = 10.0):
         self.job += 1
-        self.worker.submit(self.job, src, dst)
-        self.worker.wait([self.job], timeout)
-        (result,) = self.worker.poll()
-        return result
+        return run_job(self.worker, self.job, src, dst, timeout)
 
     def store(self, keys, host_ids):
         out = self.manager.prepare_store(keys)
