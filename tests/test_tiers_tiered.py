@@ -86,6 +86,39 @@ def test_a_key_evicted_from_the_primary_is_promoted_back_then_hits():
     assert OffloadingEvent(keys(1, 2), "CPU", False) in events
 
 
+def test_a_key_gone_from_the_secondary_before_its_load_is_prepared_promotes_nothing():
+    """A shared tier applies its server's evictions inside its own calls: between the
+    promotion's check of a key and ``prepare_load`` the key may have gone. Nothing is
+    promoted then, nothing stays reserved or pinned, and the next step tries again."""
+    primary, secondary, tiered = make(cpu=2)
+    store(tiered, keys(1, 2))
+    finish(tiered, tiered.take_transfers())
+    store(tiered, keys(3, 4))  # evicts 1 and 2 from the primary
+    finish(tiered, tiered.take_transfers())
+    assert [tiered.lookup(k) for k in keys(1, 2)] == [PENDING, PENDING]
+    tiered.take_events()
+    real_lookup = secondary.lookup
+
+    def lookup_then_lose_key_2(key):
+        result = real_lookup(key)
+        if key == keys(2)[0]:  # as if a notification arrived during this call
+            secondary.discard(keys(2))
+        return result
+
+    secondary.lookup = lookup_then_lose_key_2
+    assert tiered.take_transfers() == []
+    # The room made for the promotion is free again (its evictions stand: 3 and 4 are
+    # still below), and nothing is left being written or pinned.
+    assert [primary.state(k) for k in keys(1, 2)] == [None, None]
+    assert primary.stats().in_flight == 0
+    assert secondary.state(keys(1)[0]) == 0  # not pinned
+    secondary.lookup = real_lookup
+    assert [tiered.lookup(k) for k in keys(1, 2)] == [PENDING, MISS]
+    (promotion,) = tiered.take_transfers()  # the next step promotes what is left
+    finish(tiered, [promotion])
+    assert tiered.lookup(keys(1)[0]) is HIT
+
+
 def test_a_failed_promotion_drops_the_block_from_the_secondary():
     primary, secondary, tiered = make(cpu=1)
     store(tiered, keys(1))

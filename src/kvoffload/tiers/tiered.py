@@ -205,7 +205,15 @@ class TieredOffloadingManager(OffloadingManager):
             self._declined[key] = self._step
         if out is None or not out.keys_to_store:
             return None
-        source = tier.prepare_load(out.keys_to_store)
+        try:
+            source = tier.prepare_load(out.keys_to_store)
+        except KeyError:
+            # A shared tier learns of its server's evictions in its own calls (lookups
+            # apply what its background thread heard): a key the filter above saw may be
+            # gone by now. prepare_load pinned nothing; free the primary's room. The
+            # requests ask again next step and find what is left.
+            self.primary.complete_store(out.keys_to_store, success=False)
+            return None
         self._promoting.update(out.keys_to_store)
         return self._new_transfer(True, index, out.keys_to_store, source, out.store_spec)
 
