@@ -62,3 +62,16 @@ def test_a_step_waits_for_its_stores_only_when_asked(sync):
     side.start_stores(StepPlan())  # a step without stores waits for nothing
     assert side.worker.submitted == [1, 2, 3]
     assert side.worker.waited == ([[2, 3]] if sync else [])
+
+
+def test_stores_that_do_not_end_in_time_are_left_running_not_raised():
+    class SlowWorker(RecordingWorker):
+        def wait(self, job_ids, timeout=None):
+            super().wait(job_ids, timeout)
+            raise TimeoutError(f"jobs {list(job_ids)} still running")
+
+    side = WorkerSide(None, None, config(sync_stores=True))
+    side.worker = SlowWorker()
+    side.start_stores(StepPlan(stores=[store(4)]))  # no exception reaches vLLM
+    assert side.worker.waited == [[4]]
+    assert side.get_finished() == (set(), set())  # its result comes with a later poll

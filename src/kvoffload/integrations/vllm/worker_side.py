@@ -32,6 +32,8 @@ from kvoffload.worker import OffloadingWorker
 
 logger = logging.getLogger(__name__)
 
+SYNC_STORES_TIMEOUT_S = 30.0  # the longest a step waits for its stores (sync_stores)
+
 
 class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
@@ -84,8 +86,13 @@ class WorkerSide:
     def start_stores(self, plan: StepPlan) -> None:
         self._submit(plan.stores)
         if self.sync_stores and plan.stores:
-            # The results stay with the worker: get_finished reports them as usual.
-            self.worker.wait([job.job_id for job in plan.stores])
+            # The results stay with the worker: get_finished reports them as usual. A copy
+            # that does not end in time is left running (reported when it ends), never a
+            # step that hangs.
+            try:
+                self.worker.wait([job.job_id for job in plan.stores], SYNC_STORES_TIMEOUT_S)
+            except TimeoutError as exc:
+                logger.warning("kvoffload: stores still copying after %gs: %s", SYNC_STORES_TIMEOUT_S, exc)
 
     def _submit(self, jobs: list[TransferJob]) -> None:
         assert self.worker is not None, "register_kv_caches was not called"
