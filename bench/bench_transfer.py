@@ -186,7 +186,12 @@ def main() -> None:
     if args.quick:
         pages = [128 << 10, 16 << 10]
     if args.pages:
-        pages = [int(p) << 10 for p in args.pages.split(",")]
+        try:
+            pages = [int(p) << 10 for p in args.pages.split(",")]
+        except ValueError:
+            parser.error(f"--pages takes page sizes in KiB separated by commas, got {args.pages!r}")
+        if min(pages) <= 0:
+            parser.error(f"--pages sizes must be positive, got {args.pages!r}")
     rng = np.random.default_rng(0)
     threads = min(8, os.cpu_count() or 1)  # the engine's default
     cpu0, wall0 = time.process_time(), time.perf_counter()
