@@ -97,6 +97,20 @@ def dynamo_python() -> Path:
         raise
 
 
+def dynamo_python_or_skip() -> Path:
+    """``dynamo_python()``, or the current test skipped with the reason (failed instead when
+    ``KVOFFLOAD_REQUIRE_DYNAMO`` is set)."""
+    import pytest
+
+    try:
+        return dynamo_python()
+    except DynamoUnavailable as exc:
+        message = f"Dynamo's indexer is not available here: {exc}"
+        if required():
+            pytest.fail(message)
+        pytest.skip(message)
+
+
 def _build(target: Path) -> Path:
     python = target / "bin" / "python"
     if _installed_version(python) == DYNAMO_VERSION:

@@ -48,7 +48,7 @@ import pytest
 pytest.importorskip("vllm")
 import zmq  # noqa: E402
 
-from dynamo_env import DynamoIndexer, DynamoUnavailable, dynamo_python, http_call, required  # noqa: E402
+from dynamo_env import DynamoIndexer, dynamo_python_or_skip, http_call  # noqa: E402
 from kvoffload.demo.offline import close_llm, kv_block_bytes, make_llm, settle, word_text  # noqa: E402
 from kvoffload.events.codec import decode, encode  # noqa: E402
 from kvoffload.events.types import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
@@ -64,13 +64,7 @@ FS, REDIS = 1, 2  # instance ids
 
 @pytest.fixture(scope="module")
 def dynamo() -> Path:
-    try:
-        return dynamo_python()
-    except DynamoUnavailable as exc:
-        message = f"Dynamo's indexer is not available here: {exc}"
-        if required():
-            pytest.fail(message)
-        pytest.skip(message)
+    return dynamo_python_or_skip()
 
 
 @pytest.fixture(scope="module")

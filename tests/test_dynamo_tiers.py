@@ -45,11 +45,9 @@ import pytest
 
 from dynamo_env import (
     DynamoIndexer,
-    DynamoUnavailable,
     dynamo_block_hashes,
-    dynamo_python,
+    dynamo_python_or_skip,
     http_call,
-    required,
 )
 from kvoffload.events import BlockStored, ZmqEventPublisher
 from kvoffload.index import BlockIndex, IndexServer, IndexService, TierWeights
@@ -67,13 +65,7 @@ TOKENS = list(range(1000, 1000 + 12 * BS))
 
 @pytest.fixture(scope="module")
 def dynamo_bin() -> Path:
-    try:
-        return dynamo_python()
-    except DynamoUnavailable as exc:
-        message = f"Dynamo's indexer is not available here: {exc}"
-        if required():
-            pytest.fail(message)
-        pytest.skip(message)
+    return dynamo_python_or_skip()
 
 
 @pytest.fixture
