@@ -21,32 +21,19 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import tempfile
-import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench_redis import free_port, start_server  # noqa: E402 - a sibling script, after the settings
+
 
 def start_redis(folder: str) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", folder],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    for _ in range(200):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, port
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
+    port = free_port()
+    return start_server(folder, port), port
 
 
 def run_tier(model: str, tier: dict, rounds: int, tokens: int) -> dict[str, list[float]]:
