@@ -25,7 +25,9 @@ Everything runs in one folder (``--dir``, default a fresh folder under /tmp) in 
   *durable* adds ``os.sync()`` (dirty data of earlier steps is flushed before every
   clock starts). Before every cold *load* each file involved is ``fsync``ed and dropped
   from the page cache with ``posix_fadvise(DONTNEED)`` (a VM's host may still cache its
-  virtual disk); *warm* loads read the page cache. ``O_DIRECT`` is not used.
+  virtual disk); *warm* loads read the page cache. The chosen slot file reads what the
+  page cache does not hold with ``O_DIRECT`` (``kvoffload.tiers.fs.direct``); *slot file,
+  page cache only* is the same worker with ``direct_reads=False``.
   Repetitions run the layouts in turns; ratios are taken within each repetition
   (median, min-max); CPU seconds per GB (``getrusage``, every thread) are given beside
   wall-clock GB/s, and the load average at start and end: on a shared machine the wall
@@ -65,10 +67,10 @@ import torch
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import make_offload_key
 from kvoffload.specs import CPULoadStoreSpec
-from kvoffload.tiers.fs.block_io import _preadv_all
 from kvoffload.tiers.fs.format import DATA_FILE, HEADER_FILE, RECORD_BYTES, Geometry, checksum, pack_record
 from kvoffload.tiers.fs.manager import FSOffloadingManager
 from kvoffload.tiers.fs.namespace import namespace_digest
+from kvoffload.tiers.fs.vectored import preadv_all
 from kvoffload.tiers.fs.worker import FSWorker
 from kvoffload.transfer import HostBlockPool, KVLayout
 
@@ -136,7 +138,7 @@ class FilePerBlock:
         header = bytearray(RECORD_BYTES)
         fd = os.open(self.path(k), os.O_RDONLY)
         try:
-            got = _preadv_all(fd, [header, *rows], 0)
+            got = preadv_all(fd, [header, *rows], 0)
         finally:
             os.close(fd)
         stored_key = bytes(header[48 : 48 + len(k)])
@@ -238,14 +240,25 @@ def sequential(folder: str, nbytes: int, buf: np.ndarray) -> dict[str, float]:
     return out
 
 
-def slot_file(folder: str, pool: HostBlockPool, blocks: int, threads: int) -> dict[str, float]:
+def slot_file(
+    folder: str, pool: HostBlockPool, blocks: int, threads: int, direct_reads: bool = True
+) -> dict[str, float]:
     """``FSWorker``: a tier of exactly ``blocks`` slots filled with keys A (fresh: a new
-    namespace), then with keys B, which evict A and reuse its slots (reused); loads of B."""
+    namespace), then with keys B, which evict A and reuse its slots (reused); loads of B
+    (``direct_reads=False``: every load through the page cache)."""
     block_bytes = sum(int(t.shape[1]) for t in pool.tensors)
     nbytes = blocks * block_bytes
     bytes_to_use = blocks * Geometry(block_bytes).stored_block_bytes
     manager = FSOffloadingManager(folder, "slots", block_bytes, bytes_to_use)
-    worker = FSWorker(pool, folder, "slots", bytes_to_use, load_threads=threads, store_threads=threads)
+    worker = FSWorker(
+        pool,
+        folder,
+        "slots",
+        bytes_to_use,
+        load_threads=threads,
+        store_threads=threads,
+        direct_reads=direct_reads,
+    )
     per_job = max(1, JOB_BYTES // block_bytes)
     job_ids = iter(range(1 << 30))
 
@@ -598,6 +611,9 @@ def report(folder: str, args) -> None:
     cases = {
         "sequential baseline": lambda sub, pool, blocks, buf: sequential(sub, blocks * pool_bytes(pool), buf),
         "slot file (chosen)": lambda sub, pool, blocks, buf: slot_file(sub, pool, blocks, threads),
+        "slot file, page cache only": lambda sub, pool, blocks, buf: slot_file(
+            sub, pool, blocks, threads, direct_reads=False
+        ),
         "file per block": lambda sub, pool, blocks, buf: file_per_block(sub, pool, blocks, threads),
         "vLLM 0.32 fs tier": lambda sub, pool, blocks, buf: vllm_fs(
             sub, buf, pool_bytes(pool), blocks, threads

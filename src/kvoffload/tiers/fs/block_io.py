@@ -15,9 +15,11 @@ between them and caller-owned buffers (the host pool's rows), without a copy:
   batch a job's runs of consecutive slots.
 * ``read(slot, key, buffers)``: read and check the record (magic, version, record CRC,
   namespace digest, the expected key, payload length), ``preadv`` the payload straight
-  into ``buffers``, check its CRC. Any mismatch raises ``CorruptBlock`` naming the key
-  and the reason; the caller must then treat ``buffers`` as garbage. ``read_run``: the
-  same for consecutive slots, one record read and one ``preadv`` (per ``IOV_MAX``).
+  into ``buffers`` (from the page cache where it holds them, else with ``O_DIRECT`` when
+  the caller's buffers are aligned: ``kvoffload.tiers.fs.direct``), check its CRC. Any
+  mismatch raises ``CorruptBlock`` naming the key and the reason; the caller must then
+  treat ``buffers`` as garbage. ``read_run``: the same for consecutive slots, one record
+  read and one ``preadv`` (per ``IOV_MAX``).
 * ``invalidate(slot)``: zero the record (the block is gone; its bytes are overwritten
   when the slot is reused).
 
@@ -32,6 +34,7 @@ import time
 from collections.abc import Sequence
 
 from kvoffload.private import open_private
+from kvoffload.tiers.fs.direct import PayloadReader
 from kvoffload.tiers.fs.format import (
     DATA_FILE,
     EMPTY_RECORD,
@@ -43,6 +46,7 @@ from kvoffload.tiers.fs.format import (
     pack_record,
     parse_record,
 )
+from kvoffload.tiers.fs.vectored import pwritev_all
 
 
 class CorruptBlock(Exception):
@@ -55,79 +59,14 @@ class CorruptBlock(Exception):
         self.reason = reason
 
 
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-def _groups(views: list[memoryview]):
-    """``views`` cut into runs of at most ``IOV_MAX`` buffers, with each run's length."""
-    for start in range(0, len(views), IOV_MAX):
-        group = views[start : start + IOV_MAX]
-        yield group, sum(len(v) for v in group)
-
-
-def _pwritev_all(fd: int, buffers: Sequence, offset: int, length: int = -1) -> None:
-    """Write ``buffers`` at ``offset``; ``length`` (their total bytes, when the caller
-    knows it) lets one ``pwritev`` of the buffers as given do it without first making a
-    byte view of each."""
-    if length >= 0 and len(buffers) <= IOV_MAX:
-        written = os.pwritev(fd, buffers, offset)
-        if written == length:
-            return
-        buffers = _skip([memoryview(b).cast("B") for b in buffers], written)
-        offset += written
-    for group, length in _groups([memoryview(b).cast("B") for b in buffers]):
-        end = offset + length
-        while group:
-            written = os.pwritev(fd, group, offset)
-            offset += written
-            while group and written >= len(group[0]):
-                written -= len(group[0])
-                group.pop(0)
-            if group and written:
-                group[0] = group[0][written:]
-        offset = end
-
-
-def _skip(views: list[memoryview], done: int) -> list[memoryview]:
-    """``views`` less their first ``done`` bytes."""
-    while views and done >= len(views[0]):
-        done -= len(views.pop(0))
-    if views and done:
-        views[0] = views[0][done:]
-    return views
-
-
-def _preadv_all(fd: int, buffers: Sequence, offset: int, length: int = -1) -> int:
-    """Read until ``buffers`` are full or end of file; the bytes read. ``length`` as for
-    ``_pwritev_all``."""
-    total = 0
-    if length >= 0 and len(buffers) <= IOV_MAX:
-        total = os.preadv(fd, buffers, offset)
-        if total == length or total == 0:
-            return total
-        buffers = _skip([memoryview(b).cast("B") for b in buffers], total)
-        offset += total
-    for group, length in _groups([memoryview(b).cast("B") for b in buffers]):
-        end = offset + length
-        while group:
-            got = os.preadv(fd, group, offset)
-            if got == 0:
-                return total
-            total += got
-            offset += got
-            while group and got >= len(group[0]):
-                got -= len(group[0])
-                group.pop(0)
-            if group and got:
-                group[0] = group[0][got:]
-        offset = end
-    return total
-
-
 class BlockFiles:
     """The two files of one namespace, open for positional reads and writes."""
 
-    def __init__(self, ns_dir: str, geometry: Geometry, digest: bytes, fsync: bool = False) -> None:
+    def __init__(
+        self, ns_dir: str, geometry: Geometry, digest: bytes, fsync: bool = False, direct_reads: bool = False
+    ) -> None:
+        """``direct_reads``: the caller promises read buffers aligned for ``O_DIRECT``
+        (``kvoffload.tiers.fs.direct``); what the page cache does not hold is then read past it."""
         self.geometry = geometry
         self.digest = digest
         self.fsync = fsync
@@ -140,6 +79,8 @@ class BlockFiles:
         except OSError:
             os.close(self.data_fd)
             raise
+        path = os.path.join(ns_dir, DATA_FILE)
+        self.reader = PayloadReader(path, self.data_fd, direct_reads and not gap)
 
     def write(self, slot: int, key: bytes, buffers: Sequence) -> None:
         self.write_run(slot, [key], [buffers])
@@ -154,7 +95,7 @@ class BlockFiles:
             os.fdatasync(self.header_fd)
         geometry = self.geometry
         length = (len(blocks) - 1) * geometry.slot_stride + geometry.payload_bytes
-        _pwritev_all(self.data_fd, self._with_padding(blocks), geometry.data_offset(first), length)
+        pwritev_all(self.data_fd, self._with_padding(blocks), geometry.data_offset(first), length)
         if self.fsync:
             os.fdatasync(self.data_fd)
         crcs = [checksum(buffers) for buffers in blocks]
@@ -204,9 +145,7 @@ class BlockFiles:
         gap = self.geometry.slot_stride - self.geometry.payload_bytes
         scratch = memoryview(bytearray(gap)) if gap and n > 1 else None
         length = (n - 1) * self.geometry.slot_stride + self.geometry.payload_bytes
-        got = _preadv_all(
-            self.data_fd, self._with_padding(blocks, scratch), self.geometry.data_offset(first), length
-        )
+        got = self.reader.read(self._with_padding(blocks, scratch), self.geometry.data_offset(first), length)
         payload = self.geometry.payload_bytes
         for i, (key, record) in enumerate(zip(keys, records)):
             have = min(payload, max(0, got - i * self.geometry.slot_stride))
@@ -222,6 +161,7 @@ class BlockFiles:
         os.pwrite(self.header_fd, EMPTY_RECORD, slot * RECORD_BYTES)
 
     def close(self) -> None:
+        self.reader.close()
         for fd in (self.data_fd, self.header_fd):
             if fd >= 0:
                 os.close(fd)

@@ -53,6 +53,13 @@ class HostRows:
                 segments.append([offset, stride, width])
         self.segments = [tuple(s) for s in segments]
 
+    def aligned(self, alignment: int) -> bool:
+        """Whether every view ``block`` returns starts and ends on a multiple of ``alignment``."""
+        if not self.segments:
+            return False
+        base = ctypes.addressof(ctypes.c_uint8.from_buffer(self._view))
+        return all((base + o) % alignment == s % alignment == w % alignment == 0 for o, s, w in self.segments)
+
     def block(self, b: int) -> list[memoryview]:
         """Host block ``b``'s payload, in order, as byte views into the pool."""
         view = self._view

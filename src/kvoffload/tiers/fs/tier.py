@@ -13,6 +13,9 @@ Keys of its entry (errors name the key and the value):
   stored (survives power loss, not only a process crash).
 * ``verify_on_start`` (default false): check every block's checksum when rebuilding the
   index at start-up (a full read), not only its header.
+* ``direct_reads`` (default true): loads read what the page cache does not hold with
+  ``O_DIRECT``, straight into the host pool, where the file system and the pool's row
+  alignment allow it; false reads everything through the page cache.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from kvoffload.validation import positive_int
 from kvoffload.worker import OffloadingWorker
 
 _KNOWN = ("root_dir", "bytes_to_use", "min_free_fraction", "load_threads", "store_threads", "fsync",
-          "verify_on_start")  # fmt: skip
+          "verify_on_start", "direct_reads")  # fmt: skip
 
 
 class FSTierType(SecondaryTierType):
@@ -44,6 +47,7 @@ class FSTierType(SecondaryTierType):
         store_threads: int = 4,
         fsync: bool = False,
         verify_on_start: bool = False,
+        direct_reads: bool = True,
     ) -> None:
         self.root_dir = root_dir
         self.bytes_to_use = bytes_to_use
@@ -52,6 +56,7 @@ class FSTierType(SecondaryTierType):
         self.store_threads = store_threads
         self.fsync = fsync
         self.verify_on_start = verify_on_start
+        self.direct_reads = direct_reads
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> FSTierType:
@@ -75,8 +80,8 @@ class FSTierType(SecondaryTierType):
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
             raise ValueError(f"min_free_fraction must be a number in [0, 1), got {fraction!r}")
         flags = {}
-        for key in ("fsync", "verify_on_start"):
-            flags[key] = options.get(key, False)
+        for key, default in (("fsync", False), ("verify_on_start", False), ("direct_reads", True)):
+            flags[key] = options.get(key, default)
             if not isinstance(flags[key], bool):
                 raise ValueError(f"{key} must be true or false, got {flags[key]!r}")
         return cls(
@@ -118,6 +123,7 @@ class FSTierType(SecondaryTierType):
             store_threads=self.store_threads,
             min_free_fraction=self.min_free_fraction,
             fsync=self.fsync,
+            direct_reads=self.direct_reads,
         )
         if worker.block_bytes != context.block_bytes:
             worker.close()

@@ -61,6 +61,7 @@ import numpy as np
 from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, CPULoadStoreSpec, DiskLoadStoreSpec, LoadStoreSpec
 from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock
+from kvoffload.tiers.fs.direct import DIRECT_ALIGN
 from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
 from kvoffload.tiers.fs.host_rows import HostRows
 from kvoffload.tiers.fs.namespace import namespace_digest, open_namespace_dir
@@ -129,9 +130,12 @@ class FSWorker(OffloadingWorker):
         min_free_fraction: float = 0.05,
         min_free_bytes: int = 0,
         fsync: bool = False,
+        direct_reads: bool = True,
     ) -> None:
         """``host_pool``: a ``kvoffload.transfer.HostBlockPool`` on the CPU (its bytes per
-        host block are the payload; the manager gets the same ``block_bytes``)."""
+        host block are the payload; the manager gets the same ``block_bytes``);
+        ``direct_reads``: read what the page cache does not hold with ``O_DIRECT`` where the
+        pool's rows and the file system allow it (``kvoffload.tiers.fs.direct``)."""
         positive_int("load_threads", load_threads)
         positive_int("store_threads", store_threads)
         if not isinstance(min_free_fraction, (int, float)) or not 0 <= min_free_fraction < 1:
@@ -145,7 +149,13 @@ class FSWorker(OffloadingWorker):
         self.num_slots = self.geometry.num_slots(bytes_to_use)
         self.path = open_namespace_dir(root_dir, namespace)
         try:
-            self.files = BlockFiles(self.path, self.geometry, namespace_digest(namespace), fsync)
+            self.files = BlockFiles(
+                self.path,
+                self.geometry,
+                namespace_digest(namespace),
+                fsync,
+                direct_reads and self._host.aligned(DIRECT_ALIGN),
+            )
         except OSError as exc:
             raise ValueError(f"root_dir {os.fspath(root_dir)!r} cannot be written: {exc}") from None
         self.space = SlotSpace(self.files.data_fd, self.geometry.slot_stride, self.num_slots)
