@@ -29,6 +29,7 @@ Thread-safe for distinct slots (positional I/O on shared descriptors).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -156,6 +157,15 @@ class BlockFiles:
                 raise CorruptBlock(
                     key, first + i, f"checksum mismatch (stored {record.payload_crc:#010x}, read {crc:#010x})"
                 )
+
+    def prefetch_records(self, first: int, last: int) -> None:
+        """Start reading the records of slots ``first..last`` into the page cache, so that
+        the reads of a job's runs do not each wait on the device for their records. A hint:
+        an error is ignored (the runs read their records anyway)."""
+        if hasattr(os, "posix_fadvise"):
+            length = (last - first + 1) * RECORD_BYTES
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self.header_fd, first * RECORD_BYTES, length, os.POSIX_FADV_WILLNEED)
 
     def invalidate(self, slot: int) -> None:
         os.pwrite(self.header_fd, EMPTY_RECORD, slot * RECORD_BYTES)

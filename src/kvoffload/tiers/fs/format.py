@@ -62,10 +62,12 @@ OFF_KEY = OFF_DIGEST + DIGEST_BYTES
 
 
 def checksum(buffers, value: int = 0) -> int:
-    """CRC32C (the ``crc32c`` package; releases the GIL on large buffers) over
-    ``buffers`` (bytes-like objects) in order, continuing from ``value``."""
+    """CRC32C (the ``crc32c`` package) over ``buffers`` (bytes-like objects) in order,
+    continuing from ``value``. The GIL is released for every buffer, small ones too (the
+    package's default keeps it below 32 KiB): the I/O threads checksum pages of a few KiB
+    side by side (``bench/bench_disk.py``: cold loads 1.3-1.5x faster with 4 threads)."""
     for buf in buffers:
-        value = _crc32c.crc32c(buf, value)
+        value = _crc32c.crc32c(buf, value, gil_release_mode=1)
     return value
 
 

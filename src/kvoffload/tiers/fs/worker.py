@@ -263,6 +263,8 @@ class FSWorker(OffloadingWorker):
             return 0
         if job.store:
             self._check_floor(job)
+        elif job.slots[-1] - job.slots[0] < 4 * count:  # dense enough to read every record
+            self.files.prefetch_records(job.slots[0], job.slots[-1])
         threads = min(self._threads_per[direction], count)
         chunks = [range(i * count // threads, (i + 1) * count // threads) for i in range(threads)]
         stop = threading.Event()
