@@ -1,5 +1,5 @@
 """SlotIndex against a dict: random inserts and removals, small tables (long probe runs,
-wrap-around), keys of several lengths."""
+wrap-around), keys of several lengths; with the C probe (when built) and the Python one."""
 
 from __future__ import annotations
 
@@ -7,13 +7,20 @@ import random
 
 import pytest
 
-from kvoffload.tiers.fs.index import SlotIndex
+from kvoffload.tiers.fs.index import NATIVE, SlotIndex
+
+needs_native = pytest.mark.skipif(not NATIVE, reason="kvoffload.tiers.fs._slotfind was not built")
+
+
+@pytest.fixture(params=[pytest.param(True, marks=needs_native, id="C"), pytest.param(False, id="Python")])
+def native(request) -> bool:
+    return request.param
 
 
 @pytest.mark.parametrize("num_slots", [1, 3, 8, 100])
-def test_matches_a_dict(num_slots):
+def test_matches_a_dict(num_slots, native):
     rng = random.Random(num_slots)
-    index = SlotIndex(num_slots, 12)
+    index = SlotIndex(num_slots, 12, native=native)
     truth: dict[bytes, int] = {}
     free = list(range(num_slots))
     universe = [rng.randbytes(rng.randint(1, 12)) for _ in range(3 * num_slots + 5)]
@@ -30,6 +37,11 @@ def test_matches_a_dict(num_slots):
         probe = rng.choice(universe)
         assert index.find(probe) == truth.get(probe, -1)
         assert index.size == len(truth)
+        asked = rng.sample(universe, 4)
+        assert index.split(asked) == (
+            [truth[key] for key in asked if key in truth],
+            [key for key in asked if key not in truth],
+        )
     for key, slot in truth.items():
         assert index.find(key) == slot and index.key_of(slot) == key
     index.clear()
@@ -48,10 +60,10 @@ def test_check_key_names_the_bad_key():
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["same length", "mixed lengths"])
-def test_insert_many_equals_inserting_one_by_one(mixed):
+def test_insert_many_equals_inserting_one_by_one(mixed, native):
     rng = random.Random(5)
     num_slots = 3000
-    index = SlotIndex(num_slots, 16)
+    index = SlotIndex(num_slots, 16, native=native)
     keys = [rng.randbytes(rng.randint(1, 16) if mixed else 16) for _ in range(2600)]
     keys = list(dict.fromkeys(keys))
     slots = rng.sample(range(num_slots), len(keys))
@@ -66,3 +78,32 @@ def test_insert_many_equals_inserting_one_by_one(mixed):
         index.remove(slot)
     for i, (key, slot) in enumerate(zip(keys, slots)):
         assert index.find(key) == (-1 if i % 2 == 0 else slot)
+
+
+def test_a_prefix_or_an_extension_of_a_stored_key_is_absent(native):
+    index = SlotIndex(8, 12, native=native)
+    index.insert(b"abcdef", 3)
+    assert index.find(b"abcdef") == 3
+    assert index.find(b"abcde") == -1 and index.find(b"abcdefg") == -1
+    assert index.split((b"abcdefg", b"abcdef")) == ([3], [b"abcdefg"])
+    index.remove(3)
+    index.insert(b"abc", 3)  # the slot reused by a shorter key: the old bytes beyond it stay
+    assert index.find(b"abcdef") == -1 and index.find(b"abc") == 3
+
+
+def test_the_c_probe_rejects_what_is_not_bytes():
+    if not NATIVE:
+        pytest.skip("kvoffload.tiers.fs._slotfind was not built")
+    index = SlotIndex(4, 8, native=True)
+    with pytest.raises(TypeError, match="must be bytes"):
+        index.find("text")
+    with pytest.raises(TypeError, match="list or tuple"):
+        index.split(5)
+
+
+def test_native_true_without_the_extension_names_it(monkeypatch):
+    import kvoffload.tiers.fs.index as module
+
+    monkeypatch.setattr(module, "NATIVE", False)
+    with pytest.raises(ValueError, match="_slotfind"):
+        SlotIndex(4, 8, native=True)

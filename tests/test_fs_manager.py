@@ -16,6 +16,7 @@ from kvoffload.keys import make_offload_key
 from kvoffload.manager import LookupResult, OffloadingEvent, RequestContext
 from kvoffload.policies import available_policies
 from kvoffload.specs import DiskLoadStoreSpec
+from kvoffload.tiers.fs import index as index_module
 from kvoffload.tiers.fs.format import RECORD_BYTES, Geometry
 from kvoffload.tiers.fs.manager import FSOffloadingManager
 
@@ -159,18 +160,25 @@ def same_events(cpu, disk) -> bool:
     ]
 
 
-def test_same_behaviour_as_the_cpu_tier_under_random_operations(tmp_path):
+@pytest.mark.parametrize("universe", [40, 3000], ids=["few keys", "reservations past their bound"])
+@pytest.mark.parametrize("native", [True, False], ids=["C probe", "Python probe"])
+def test_same_behaviour_as_the_cpu_tier_under_random_operations(tmp_path, monkeypatch, native, universe):
     """Same slots, evictions, lookups, events and stats as CPUOffloadingManager("lru"),
-    request hooks included (reservations, re-ranking at the end of a request)."""
+    request hooks included (reservations, re-ranking at the end of a request), with the
+    index and the order probing in C and in Python."""
+    if native and not index_module.NATIVE:
+        pytest.skip("kvoffload.tiers.fs._slotfind was not built")
+    monkeypatch.setattr(index_module, "NATIVE", native)
     rng = random.Random(7)
     running: list[RequestContext] = []
     cpu = CPUOffloadingManager(16, "lru", enable_events=True)
     disk = make(tmp_path, blocks=16)
+    assert disk._index.native is native
     pinned: list[bytes] = []
     in_flight: list[bytes] = []
     for _ in range(4000):
         op = rng.random()
-        ks = keys(*(rng.randrange(40) for _ in range(rng.randint(1, 5))))
+        ks = keys(*(rng.randrange(universe) for _ in range(rng.randint(1, 5))))
         if op < 0.35:
             a, b = cpu.prepare_store(ks), disk.prepare_store(ks)
             assert (a is None) == (b is None)
@@ -187,6 +195,8 @@ def test_same_behaviour_as_the_cpu_tier_under_random_operations(tmp_path):
             assert [cpu.lookup(x) for x in ks] == [disk.lookup(x) for x in ks]
             assert cpu.lookup_prefix(ks) == disk.lookup_prefix(ks)
         elif op < 0.75:
+            if universe > 40:  # long prompts: reservations outgrow their bound
+                ks += keys(*(rng.randrange(universe) for _ in range(30)))
             cpu.touch(ks)
             disk.touch(ks)
         elif op < 0.85:

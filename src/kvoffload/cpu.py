@@ -57,6 +57,10 @@ class CPUOffloadingManager(OffloadingManager):
         self.policy: CachePolicy = resolve_policy(cache_policy)(num_blocks)
         self.enable_events = enable_events
         self._blocks: dict[OffloadKey, BlockStatus] = {}
+        # The status of a key (``ref``: the block state) or ``None``; counts nothing. For a
+        # caller answering lookups itself on a hot path (the tiered manager), which then
+        # reports what it answered with ``count_lookups``.
+        self.status_of = self._blocks.get
         self._next_unused = 0
         self._free: list[int] = []
         self._events: list[OffloadingEvent] = []
@@ -91,6 +95,11 @@ class CPUOffloadingManager(OffloadingManager):
             count += 1
         self._hits += count
         return count
+
+    def count_lookups(self, hits: int, misses: int) -> None:
+        """Count ``HIT`` and ``MISS`` answers given for this tier from ``status_of``."""
+        self._hits += hits
+        self._misses += misses
 
     # -- loads -----------------------------------------------------------------------
 

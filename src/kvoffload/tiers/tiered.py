@@ -26,6 +26,14 @@ scheduler hands to the worker:
   computes the rest) instead of waiting for room that may never come, and a later
   promotion cannot evict the blocks just promoted for it.
 
+Lookups where every secondary keeps its index in memory (the disk tier's ``probe``): a
+key that no tier holds is a ``MISS`` at once, whatever was asked for it before (a
+promotion would find nothing), and a miss of every tier is counted in every tier.
+``lookup`` is then a closure over the primary's block table and the probes: the
+scheduler looks up every key of every request, and a miss of every tier costs about what
+a CPU-only miss costs (bench/bench_scheduler.py). It counts its answers itself and hands
+the counts to the tiers once per step (``take_transfers``) and in ``stats``/``tier_stats``.
+
 Everything here is bookkeeping on the scheduler thread: no I/O, no waiting. Events of
 every tier are passed on with their own medium. ``reset`` drops every tier.
 
@@ -108,6 +116,14 @@ class TieredOffloadingManager(OffloadingManager):
         # key -> secondary it was promoted from, until its first load (or a bound): a load
         # that found it there reports that tier as its source (metrics only)
         self._promoted_from: dict[OffloadKey, int] = {}
+        # Every secondary's ``probe`` (an in-memory index says at once whether the tier
+        # holds a key), or None where one tier has none (a remote tier must ask).
+        probes = tuple(getattr(tier, "probe", None) for tier in self.secondaries)
+        self._probes: tuple[Callable[[OffloadKey], int], ...] | None = None if None in probes else probes
+        self._take_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        fast = self._fast_lookup()
+        if fast is not None:
+            self.lookup = fast  # type: ignore[method-assign]
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -115,6 +131,11 @@ class TieredOffloadingManager(OffloadingManager):
         result = self.primary.lookup(key)
         if result is not _MISS:
             return result
+        probes = self._probes
+        if probes is not None and all(probe(key) < 0 for probe in probes):
+            for tier in self.secondaries:  # no tier holds it (whatever was asked before)
+                tier.count_lookups(0, 1)
+            return _MISS
         if key in self._promoting or key in self._wanted:
             return _PENDING
         declined = self._declined.get(key)
@@ -130,6 +151,73 @@ class TieredOffloadingManager(OffloadingManager):
                 return _PENDING
             waiting = waiting or result is _RETRY
         return _RETRY if waiting else _MISS
+
+    def _fast_lookup(self) -> Callable[[OffloadKey], LookupResult] | None:
+        """``lookup`` as one closure, where every secondary tier has a ``probe`` (the disk
+        tier's in-memory index; a remote tier cannot tell without asking): the scheduler
+        looks up every key of every request, and a key that misses every tier should cost
+        about what a CPU-only miss costs. The closure answers a key the primary holds, and
+        a key no tier holds, from the primary's ``status_of`` and the probes; everything
+        else (a key some secondary holds) goes to ``lookup``. Its hits and misses are
+        counted in the closure and handed to the tiers' ``count_lookups`` once per step
+        (``take_transfers``) and by ``stats``/``tier_stats``: a tier's own ``stats`` may
+        lag by the lookups of the current step. ``None`` where this does not apply."""
+        primary, probes = self.primary, self._probes
+        if type(primary).lookup is not CPUOffloadingManager.lookup or probes is None:
+            return None  # (a subclass answering lookups its own way keeps its answers)
+        status_of = primary.status_of
+        slow = self.lookup  # the bound method: the general path
+        hits = misses = 0
+
+        def counted() -> tuple[int, int]:
+            nonlocal hits, misses
+            counts = hits, misses
+            hits = misses = 0
+            return counts
+
+        self._take_counts = counted
+        if len(probes) == 1:
+            (probe,) = probes
+
+            def lookup(key: OffloadKey) -> LookupResult:
+                nonlocal hits, misses
+                status = status_of(key)
+                if status is None:
+                    if probe(key) < 0:
+                        misses += 1
+                        return _MISS
+                    return slow(key)
+                if status.ref < 0:
+                    return _PENDING
+                hits += 1
+                return _HIT
+
+            return lookup
+
+        def lookup_many(key: OffloadKey) -> LookupResult:
+            nonlocal hits, misses
+            status = status_of(key)
+            if status is None:
+                for probe in probes:
+                    if probe(key) >= 0:
+                        return slow(key)
+                misses += 1
+                return _MISS
+            if status.ref < 0:
+                return _PENDING
+            hits += 1
+            return _HIT
+
+        return lookup_many
+
+    def _count_lookups(self) -> None:
+        """Hand the fast lookup's counts to the tiers: a hit is the primary's; a miss is a
+        miss of every tier."""
+        hits, misses = self._take_counts()
+        if hits or misses:
+            self.primary.count_lookups(hits, misses)
+            for tier in self.secondaries:
+                tier.count_lookups(0, misses)
 
     # -- the engine's loads and stores: the primary's --------------------------------------
 
@@ -173,6 +261,7 @@ class TieredOffloadingManager(OffloadingManager):
 
     def take_transfers(self) -> list[TierTransfer]:
         self._step += 1
+        self._count_lookups()
         if self._declined and len(self._declined) > 4096:  # forget the expired ones
             step = self._step
             self._declined = {k: d for k, d in self._declined.items() if step - d < DECLINE_STEPS}
@@ -287,10 +376,12 @@ class TieredOffloadingManager(OffloadingManager):
         self._promoted_from.clear()
 
     def stats(self) -> TierStats:
+        self._count_lookups()
         return self.primary.stats()
 
     def tier_stats(self) -> list[TierStats]:
         """Stats of every tier, the primary first."""
+        self._count_lookups()
         return [self.primary.stats(), *(tier.stats() for tier in self.secondaries)]
 
     def close(self) -> None:

@@ -4,29 +4,43 @@ A Python ``dict[bytes, int]`` costs about 150 bytes per block (the key object, t
 the table entry). This index keeps, per slot, the key bytes in one fixed-width buffer
 (``max_key_bytes``) and the key's length (1 byte), and finds slots through an
 open-addressing table of ``int64`` entries, each ``tag << 32 | (slot + 1)`` (0 = empty),
-where ``tag`` is 31 bits of the key's hash. The table is at most half full (linear
-probing, backward-shift deletion: no tombstones). That is ``max_key_bytes + 1 + 16..32``
-bytes per slot (53..69 for 36-byte keys), allocated up front for ``num_slots`` (pages of
-``numpy.zeros`` cost nothing until touched).
+where ``tag`` is 31 bits of the key's hash, and beside it one ``uint8`` per table entry,
+8 other bits of the hash (0 = empty; never 0 otherwise). The table is at most half full
+(linear probing, backward-shift deletion: no tombstones). That is
+``max_key_bytes + 1 + 18..36`` bytes per slot (55..73 for 36-byte keys), allocated up front
+for ``num_slots`` (pages of ``numpy.zeros`` cost nothing until touched).
 
-One probe reads one table entry; only an entry whose tag matches costs a key comparison
-(in place, ``bytearray.startswith``: no copy). ``find`` is a closure over the arrays, the
-cheapest call Python offers, since the scheduler calls it for every lookup.
+The C probe walks the byte array (an eighth of the table's size, so a miss usually costs
+one cache line that stays cached) and reads a table entry only where its 8 bits match;
+the Python probe walks the table. Only an entry whose 31-bit tag matches costs a key
+comparison (in place: no copy). The scheduler asks for every key it looks up or touches, so the
+reads run in C when ``kvoffload.tiers.fs._slotfind`` was built (``NATIVE``; see
+pyproject.toml): ``find`` is then a C method over the same arrays, about as cheap as a
+``dict`` lookup. Without it, ``find`` is a closure walking the table in Python (several
+times slower). Writes (``insert``, ``insert_many``, ``remove``) are Python either way.
 
 Contract: ``find(key)`` -> slot or -1 (compares the full key, never a hash alone);
+``split(keys)`` -> (slots of the present keys, absent keys), each in the order given;
 ``insert(key, slot)`` for a key not present and a slot not in use; ``remove(slot)`` for a
 slot in use; ``key_of(slot)``. Hashes come from Python's ``hash`` of the key (cached on
-bytes objects): process-local, which is fine for an index rebuilt in every process.
-Single-threaded, like the manager that owns it.
+bytes objects; C's ``PyObject_Hash`` is the same value): process-local, which is fine for
+an index rebuilt in every process. Single-threaded, like the manager that owns it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvoffload.validation import non_negative_int, positive_int
+
+try:
+    from kvoffload.tiers.fs import _slotfind
+except ImportError:  # built without a C compiler
+    _slotfind = None
+
+NATIVE = _slotfind is not None
 
 _TAG = 0x7FFFFFFF  # 31 bits of the hash: the entry stays a positive int64
 _SLOT = 0xFFFFFFFF
@@ -55,10 +69,31 @@ def _finder(
     return find
 
 
+def _splitter(find: Callable[[bytes], int]) -> Callable[[Sequence[bytes]], tuple[list[int], list[bytes]]]:
+    def split(keys: Sequence[bytes]) -> tuple[list[int], list[bytes]]:
+        slots: list[int] = []
+        absent: list[bytes] = []
+        for key in keys:
+            slot = find(key)
+            if slot >= 0:
+                slots.append(slot)
+            else:
+                absent.append(key)
+        return slots, absent
+
+    return split
+
+
+def _byte_tag(h: int) -> int:
+    """The 8 bits of hash ``h`` kept beside its table entry (the C probe's ``byte_tag``)."""
+    return (h >> 56) & 0xFF or 1
+
+
 class SlotIndex:
     """Keys of up to ``max_key_bytes`` bytes mapped to slots ``0 .. num_slots-1``."""
 
-    def __init__(self, num_slots: int, max_key_bytes: int) -> None:
+    def __init__(self, num_slots: int, max_key_bytes: int, native: bool | None = None) -> None:
+        """``native``: probe in C (default: when built; ``True`` without it is an error)."""
         self.num_slots = non_negative_int("num_slots", num_slots)
         if num_slots > MAX_SLOTS:
             raise ValueError(f"num_slots must be at most {MAX_SLOTS}, got {num_slots}")
@@ -69,16 +104,32 @@ class SlotIndex:
         self._mask = size - 1
         self._table_array = np.zeros(size, dtype=np.int64)
         self._table = memoryview(self._table_array)
+        self._tag_array = np.zeros(size, dtype=np.uint8)
+        self._tags = memoryview(self._tag_array)
         self._len_array = np.zeros(num_slots, dtype=np.uint8)
         self._lens = memoryview(self._len_array)
         self._keys = bytearray(num_slots * max_key_bytes)
         self.size = 0
-        self.find = _finder(self._table, self._mask, self._keys, self._lens, max_key_bytes)
+        if native is None:
+            native = NATIVE
+        elif native and not NATIVE:
+            raise ValueError("native=True, but kvoffload.tiers.fs._slotfind was not built")
+        self.native = bool(native)
+        self.finder = None  # the C probe object, for kvoffload.tiers.fs.order's C moves
+        if native:
+            self.finder = finder = _slotfind.Finder(
+                self._table_array, self._tag_array, self._keys, self._len_array, max_key_bytes
+            )
+            self.find: Callable[[bytes], int] = finder.find
+            self.split: Callable[[Sequence[bytes]], tuple[list[int], list[bytes]]] = finder.split
+        else:
+            self.find = _finder(self._table, self._mask, self._keys, self._lens, max_key_bytes)
+            self.split = _splitter(self.find)
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated for the index (whether touched yet or not)."""
-        return self._table_array.nbytes + self._len_array.nbytes + len(self._keys)
+        return self._table_array.nbytes + self._tag_array.nbytes + self._len_array.nbytes + len(self._keys)
 
     def key_of(self, slot: int) -> bytes:
         start = slot * self.max_key_bytes
@@ -100,6 +151,7 @@ class SlotIndex:
         while table[i]:
             i = (i + 1) & mask
         table[i] = (h & _TAG) << 32 | (slot + 1)
+        self._tags[i] = _byte_tag(h)
         self.size += 1
 
     def insert_many(self, keys: list[bytes], slots) -> None:
@@ -121,6 +173,8 @@ class SlotIndex:
         self._len_array[slots] = lens
         hashes = np.fromiter(map(hash, keys), dtype=np.int64, count=n)
         entries = (hashes & _TAG) << 32 | (slots + 1)
+        tags = ((hashes >> 56) & 0xFF).astype(np.uint8)
+        tags[tags == 0] = 1
         table, mask = self._table_array, self._mask
         position = hashes & mask
         pending = np.arange(n)
@@ -131,6 +185,7 @@ class SlotIndex:
             spots, first = np.unique(where[free], return_index=True)
             winners = pending[free][first]
             table[spots] = entries[winners]
+            self._tag_array[spots] = tags[winners]
             placed = np.zeros(n, dtype=bool)
             placed[winners] = True
             pending = pending[~placed[pending]]
@@ -138,7 +193,7 @@ class SlotIndex:
         self.size += n
 
     def remove(self, slot: int) -> None:
-        mask, table = self._mask, self._table
+        mask, table, tags = self._mask, self._table, self._tags
         i = hash(self.key_of(slot)) & mask
         while table[i] & _SLOT != slot + 1:
             if not table[i]:
@@ -156,12 +211,15 @@ class SlotIndex:
             if (j > i and i < home <= j) or (j < i and (home > i or home <= j)):
                 continue
             table[i] = entry
+            tags[i] = tags[j]
             i = j
         table[i] = 0
+        tags[i] = 0
         self._lens[slot] = 0
         self.size -= 1
 
     def clear(self) -> None:
         self._table_array.fill(0)
+        self._tag_array.fill(0)
         self._len_array.fill(0)
         self.size = 0

@@ -110,6 +110,10 @@ class FSOffloadingManager(OffloadingManager):
         n = self.num_blocks
         self._index = SlotIndex(n, max_key_bytes)
         self._find = self._index.find
+        # The slot of a key in any state, -1 if absent; counts nothing. One C call where
+        # the probe is built (SlotIndex): the tiered manager asks it for every key the CPU
+        # tier misses, and reports its misses with ``count_lookups``.
+        self.probe = self._find
         self._state_array = np.full(n, _FREE, dtype=np.int32)
         self._state = memoryview(self._state_array)
         self.order = make_order(policy_cls, n, self._index, self._state)
@@ -175,6 +179,11 @@ class FSOffloadingManager(OffloadingManager):
             return _PENDING
         self._hits += 1
         return _HIT
+
+    def count_lookups(self, hits: int, misses: int) -> None:
+        """Count ``HIT`` and ``MISS`` answers given for this tier from ``probe``."""
+        self._hits += hits
+        self._misses += misses
 
     def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
         find, state = self._find, self._state

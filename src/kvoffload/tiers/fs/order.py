@@ -6,10 +6,13 @@ order is kept depends on what it resolves to:
 * ``SlotLRU`` (for ``LRUPolicy``, the registry's ``"lru"``): the same order as
   ``LRUPolicy`` (see there: new keys enter most recent in call order; ``touch`` walks its
   keys in reverse, so a prefix's tail goes before its head; while requests run, absent
-  touched keys are reserved for their request's run, bounded like ``LRUPolicy``'s; a
+  touched keys are reserved for their request's run, bounded as ``LRUPolicy``'s are; a
   finished request is re-ranked deepest least recent; eviction takes the least recent
   idle blocks) kept as a doubly linked list in two ``int32`` arrays indexed by slot: 8
-  bytes per block, no Python object per block. A test runs both side by side.
+  bytes per block, no Python object per block. A test runs both side by side. Where the
+  index probes in C (``SlotIndex.native``), a touch or a re-ranking is one C call too
+  (``_slotfind.Links``: probe and move every key), so a touch that misses the tier costs
+  what ``LRUPolicy``'s own steps cost.
 * ``PolicyOrder`` (any other ``CachePolicy``): the policy itself, fed one small status
   object per block whose ``ref`` reads the manager's state array. It costs what the
   policy costs per key (a few hundred bytes), so it misses the 100-bytes-per-block index
@@ -21,15 +24,16 @@ blocks outside the protected ones (forgotten by the order), or ``None`` changing
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from functools import partial
+from itertools import islice
 
 import numpy as np
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import RequestContext, prefix_order
 from kvoffload.policies import CachePolicy, LRUPolicy
-from kvoffload.tiers.fs.index import SlotIndex
+from kvoffload.tiers.fs.index import SlotIndex, _slotfind
 
 
 class SlotLRU:
@@ -39,16 +43,21 @@ class SlotLRU:
     admits_all = True
 
     def __init__(self, num_slots: int, index: SlotIndex, state: memoryview) -> None:
-        self._find = index.find
         self._state = state
         self._sentinel = num_slots
         self._prev_array = np.full(num_slots + 1, num_slots, dtype=np.int32)
         self._next_array = np.full(num_slots + 1, num_slots, dtype=np.int32)
         self._prev = memoryview(self._prev_array)
         self._next = memoryview(self._next_array)
+        if index.finder is not None:
+            move = _slotfind.Links(self._prev_array, self._next_array).move_to_end
+            self._to_end = partial(move, index.finder)
+        else:
+            self._to_end = self._to_end_python
+            self._split = index.split
         self._running: set[str] = set()  # announced requests not finished yet
         # absent key -> every key of the touch that named it (its request's run)
-        self._reserved: OrderedDict[OffloadKey, tuple[OffloadKey, ...]] = OrderedDict()
+        self._reserved: dict[OffloadKey, tuple[OffloadKey, ...]] = {}
         self._reserve_limit = max(num_slots, 1024)
 
     @property
@@ -72,14 +81,21 @@ class SlotLRU:
         nxt[p] = n
         prev[n] = p
 
-    def _move_to_end(self, keys) -> None:
-        """Move the resident ones of ``keys``, in this order, to the most recent end."""
-        find, unlink, append = self._find, self._unlink, self._append
-        for key in keys:
-            slot = find(key)
-            if slot >= 0:
-                unlink(slot)
-                append(slot)
+    def _to_end_python(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Move the resident ones of ``keys``, walked in reverse, to the most recent end;
+        return the absent ones in order (``_slotfind.Links.move_to_end`` in Python)."""
+        slots, absent = self._split(keys)
+        prev, nxt, s = self._prev, self._next, self._sentinel
+        for slot in reversed(slots):
+            p, n = prev[slot], nxt[slot]
+            nxt[p] = n
+            prev[n] = p
+            last = prev[s]
+            nxt[last] = slot
+            prev[slot] = last
+            nxt[slot] = s
+            prev[s] = slot
+        return absent
 
     def insert(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
         if len(slots) < 16:
@@ -104,36 +120,26 @@ class SlotLRU:
             if run is not None:
                 runs.setdefault(id(run), run)
         for run in runs.values():
-            self._move_to_end(reversed(run))
+            self._to_end(run)
 
     def remove(self, key: OffloadKey, slot: int) -> None:
         self._unlink(slot)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        find, unlink, append = self._find, self._unlink, self._append
-        absent = []
-        for key in reversed(keys):
-            slot = find(key)
-            if slot >= 0:
-                unlink(slot)
-                append(slot)
-            else:
-                absent.append(key)
+        absent = self._to_end(keys)
         if absent and self._running:
-            run = tuple(keys)
             reserved = self._reserved
-            for key in absent:
-                reserved.pop(key, None)
-                reserved[key] = run
-            while len(reserved) > self._reserve_limit:
-                reserved.popitem(last=False)
+            reserved.update(dict.fromkeys(absent, tuple(keys)))
+            if len(reserved) > self._reserve_limit:  # forget the oldest half at once
+                for key in list(islice(reserved, len(reserved) - self._reserve_limit // 2)):
+                    del reserved[key]
 
     def on_new_request(self, request: RequestContext) -> None:
         self._running.add(request.request_id)
 
     def on_request_finished(self, request: RequestContext, key_groups, inserted, reused) -> None:
         self._running.discard(request.request_id)
-        self._move_to_end(reversed(prefix_order(request, key_groups)))
+        self._to_end(prefix_order(request, key_groups))
 
     def evict(
         self, n: int, protected_keys: Collection[OffloadKey], protected_slots: Collection[int]
