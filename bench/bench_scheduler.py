@@ -84,20 +84,23 @@ def sched_keys(request: Request) -> list:
     return [make_offload_key(h, 0) for h in request.block_hashes]
 
 
-def lookup_ns(manager, keys: list) -> float:
-    """Nanoseconds per ``manager.lookup`` over ``keys`` (their hashes cached, as the
-    scheduler's are; median of 3 passes). Use many keys: a few hundred would sit in the
-    CPU's caches after the first pass, which the scheduler's lookups do not."""
+def lookup_ns(managers: dict[str, object], keys: list, passes: int = 9) -> dict[str, float]:
+    """Nanoseconds per ``lookup`` over ``keys`` for each manager (their hashes cached, as
+    the scheduler's are): ``passes`` passes over the keys per manager, the managers taken
+    in turns pass by pass so that they share the machine's noisy moments; the median pass.
+    Use many keys: a few hundred would sit in the CPU's caches after the first pass, which
+    the scheduler's lookups do not."""
     for key in keys:
         hash(key)
-    lookup = manager.lookup
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for key in keys:
-            lookup(key)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / len(keys) * 1e9
+    times: dict[str, list[float]] = {name: [] for name in managers}
+    for _ in range(passes):
+        for name, manager in managers.items():
+            lookup = manager.lookup
+            start = time.perf_counter()
+            for key in keys:
+                lookup(key)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) / len(keys) * 1e9 for name, t in times.items()}
 
 
 def make_manager(kind: str, blocks: int, folder: str):
@@ -136,8 +139,9 @@ def main() -> int:
     events = 0
     with tempfile.TemporaryDirectory() as folder:
         for rep in range(args.reps):
+            managers = {}
             for kind in kinds:
-                manager = make_manager(kind, blocks, os.path.join(folder, f"{kind}-{rep}"))
+                manager = managers[kind] = make_manager(kind, blocks, os.path.join(folder, f"{kind}-{rep}"))
                 sched = OffloadingScheduler(
                     manager, [KVGroup(BLOCK)], hash_block_size=BLOCK, kv_events="self_describing"
                 )
@@ -146,11 +150,16 @@ def main() -> int:
                 warm = run(
                     sched, batch(1)[: args.requests // 2] + batch(2)[: args.requests // 2], args.decode
                 )
-                stored = [k for r in batch(1)[:96] for k in sched_keys(r)[2:]]
-                absent = [k for r in batch(3)[:96] for k in sched_keys(r)[2:]]  # 2 are shared
-                cold["lookup of a stored key, ns"] = lookup_ns(manager, stored)
-                cold["lookup that misses every tier, ns"] = lookup_ns(manager, absent)
                 results[kind].append((cold, warm))
+            stored = [k for r in batch(1)[:96] for k in sched_keys(r)[2:]]
+            absent = [k for r in batch(3)[:96] for k in sched_keys(r)[2:]]  # 2 are shared
+            for name, keys in (
+                ("lookup of a stored key, ns", stored),
+                ("lookup that misses every tier, ns", absent),
+            ):
+                for kind, ns in lookup_ns(managers, keys).items():
+                    results[kind][-1][0][name] = ns
+            for manager in managers.values():
                 manager.close()
     print(
         f"{args.requests} requests x {args.prompt} prompt tokens, {args.decode} decode steps, "

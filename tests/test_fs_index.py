@@ -107,3 +107,40 @@ def test_native_true_without_the_extension_names_it(monkeypatch):
     monkeypatch.setattr(module, "NATIVE", False)
     with pytest.raises(ValueError, match="_slotfind"):
         SlotIndex(4, 8, native=True)
+
+
+def test_the_c_and_python_writers_build_the_same_index():
+    """A process uses one or the other; both must agree with the layout the other's probe
+    reads (and a rebuilt index looks the same whichever wrote it)."""
+    if not NATIVE:
+        pytest.skip("kvoffload.tiers.fs._slotfind was not built")
+    rng = random.Random(11)
+    c, py = SlotIndex(64, 10, native=True), SlotIndex(64, 10, native=False)
+    used: dict[int, bytes] = {}
+    for _ in range(3000):
+        free = [s for s in range(64) if s not in used]
+        if free and (not used or rng.random() < 0.55):
+            batch = rng.sample(free, min(len(free), rng.choice([1, 3, 40])))
+            keys = [rng.randbytes(rng.randint(1, 10)) for _ in batch]
+            keys = [key for key in dict.fromkeys(keys) if key not in used.values()]
+            batch = batch[: len(keys)]
+            c.insert_many(keys, batch)
+            py.insert_many(keys, batch)
+            used.update(zip(batch, keys))
+        else:
+            gone = rng.sample(sorted(used), min(len(used), rng.choice([1, 4])))
+            c.remove_many(gone)
+            py.remove_many(gone)
+            for slot in gone:
+                del used[slot]
+        assert c.size == py.size == len(used)
+    for name in ("_table_array", "_tag_array", "_len_array"):
+        assert (getattr(c, name) == getattr(py, name)).all(), name
+    rows = [bytes(c._keys[s * 10 : s * 10 + len(key)]) for s, key in used.items()]
+    assert rows == list(used.values()) == [py.key_of(s) for s in used]
+    for slot, key in used.items():
+        assert c.find(key) == py.find(key) == slot
+    slot = next(iter(used))
+    c.remove(slot)
+    with pytest.raises(KeyError, match=f"slot {slot} is not in the index"):
+        c.remove(slot)

@@ -1,7 +1,8 @@
-"""The tiered manager's fast lookup (a closure over the CPU tier's table and the disk
-tiers' probes) against its general path: the same answer for every key and the same
-counts in every tier, under random stores, write-throughs, promotions (declined ones
-included), failed reads, evictions, discards and resets; with one disk tier and with two.
+"""The tiered manager's fast lookup (one C call over the CPU tier's table and the disk
+tiers' probes, or a Python closure without the C extension) against its general path:
+the same answer for every key and the same counts in every tier, under random stores,
+write-throughs, promotions (declined ones included), failed reads, evictions, discards
+and resets; with one disk tier and with two.
 Real disk-tier managers in tmp_path (bookkeeping only: no bytes move here)."""
 
 from __future__ import annotations
@@ -13,12 +14,21 @@ import pytest
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import make_offload_key
 from kvoffload.manager import LookupResult
+from kvoffload.tiers.fs import index as index_module
 from kvoffload.tiers.fs.format import Geometry
 from kvoffload.tiers.fs.manager import FSOffloadingManager
 from kvoffload.tiers.tiered import TieredOffloadingManager
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
 STORED = Geometry(4096).stored_block_bytes
+
+
+@pytest.fixture(params=[True, False], ids=["C lookup", "Python lookup"])
+def native(request, monkeypatch) -> bool:
+    if request.param and not index_module.NATIVE:
+        pytest.skip("kvoffload.tiers.fs._slotfind was not built")
+    monkeypatch.setattr(index_module, "NATIVE", request.param)
+    return request.param
 
 
 def k(i: int) -> bytes:
@@ -34,7 +44,8 @@ def make(folder, disks: int, fast: bool) -> TieredOffloadingManager:
     for i, disk in enumerate(below[1:], 2):
         disk.medium = f"DISK{i}"  # every tier has its own medium
     tiered = TieredOffloadingManager(primary, below)
-    assert ("lookup" in vars(tiered)) is True  # the fast path applies to disk tiers
+    assert "lookup" in vars(tiered)  # the fast path applies to disk tiers
+    assert (type(tiered.lookup).__name__ == "builtin_function_or_method") is index_module.NATIVE
     if not fast:
         del tiered.lookup  # the class's general path
     return tiered
@@ -45,7 +56,7 @@ def counts(tiered: TieredOffloadingManager) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("disks", [1, 2])
-def test_fast_lookup_answers_and_counts_as_the_general_path(tmp_path, disks):
+def test_fast_lookup_answers_and_counts_as_the_general_path(tmp_path, disks, native):
     rng = random.Random(disks)
     fast = make(tmp_path / "fast", disks, True)
     slow = make(tmp_path / "slow", disks, False)
@@ -102,7 +113,7 @@ def test_fast_lookup_answers_and_counts_as_the_general_path(tmp_path, disks):
     ]
 
 
-def test_a_tier_hears_the_fast_lookups_counts_by_the_next_step(tmp_path):
+def test_a_tier_hears_the_fast_lookups_counts_by_the_next_step(tmp_path, native):
     tiered = make(tmp_path, 1, True)
     primary, disk = tiered.primary, tiered.secondaries[0]
     out = tiered.prepare_store([k(1)])
@@ -116,7 +127,7 @@ def test_a_tier_hears_the_fast_lookups_counts_by_the_next_step(tmp_path):
     assert [s.misses for s in tiered.tier_stats()] == [3, 3]
 
 
-def test_a_key_on_disk_is_pending_then_promoted(tmp_path):
+def test_a_key_on_disk_is_pending_then_promoted(tmp_path, native):
     tiered = make(tmp_path, 2, True)
     primary = tiered.primary
     second = tiered.secondaries[1]
@@ -143,3 +154,16 @@ def test_a_primary_that_answers_lookups_its_own_way_keeps_them(tmp_path):
     tiered = TieredOffloadingManager(Counting(4), [disk])
     assert "lookup" not in vars(tiered)
     assert tiered.lookup(k(1)) is MISS and Counting.asked == 1
+
+
+def test_the_c_lookup_is_collected_with_its_manager(tmp_path, native):
+    import gc
+    import weakref
+
+    tiered = make(tmp_path, 1, True)
+    gone = weakref.ref(tiered)
+    for disk in tiered.secondaries:
+        disk.close()
+    del tiered
+    gc.collect()
+    assert gone() is None  # the lookup refers back to the manager: a cycle the GC breaks

@@ -22,7 +22,7 @@ semantics beyond the base contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import (
@@ -57,10 +57,10 @@ class CPUOffloadingManager(OffloadingManager):
         self.policy: CachePolicy = resolve_policy(cache_policy)(num_blocks)
         self.enable_events = enable_events
         self._blocks: dict[OffloadKey, BlockStatus] = {}
-        # The status of a key (``ref``: the block state) or ``None``; counts nothing. For a
-        # caller answering lookups itself on a hot path (the tiered manager), which then
-        # reports what it answered with ``count_lookups``.
-        self.status_of = self._blocks.get
+        # key -> BlockStatus (``ref``: the block state), for reading only: a caller that
+        # answers lookups itself on a hot path (the tiered manager) reads it and reports
+        # what it answered with ``count_lookups``.
+        self.block_table: Mapping[OffloadKey, BlockStatus] = self._blocks
         self._next_unused = 0
         self._free: list[int] = []
         self._events: list[OffloadingEvent] = []
@@ -97,7 +97,7 @@ class CPUOffloadingManager(OffloadingManager):
         return count
 
     def count_lookups(self, hits: int, misses: int) -> None:
-        """Count ``HIT`` and ``MISS`` answers given for this tier from ``status_of``."""
+        """Count ``HIT`` and ``MISS`` answers given for this tier from ``block_table``."""
         self._hits += hits
         self._misses += misses
 

@@ -153,20 +153,24 @@ class TieredOffloadingManager(OffloadingManager):
         return _RETRY if waiting else _MISS
 
     def _fast_lookup(self) -> Callable[[OffloadKey], LookupResult] | None:
-        """``lookup`` as one closure, where every secondary tier has a ``probe`` (the disk
-        tier's in-memory index; a remote tier cannot tell without asking): the scheduler
-        looks up every key of every request, and a key that misses every tier should cost
-        about what a CPU-only miss costs. The closure answers a key the primary holds, and
-        a key no tier holds, from the primary's ``status_of`` and the probes; everything
-        else (a key some secondary holds) goes to ``lookup``. Its hits and misses are
-        counted in the closure and handed to the tiers' ``count_lookups`` once per step
-        (``take_transfers``) and by ``stats``/``tier_stats``: a tier's own ``stats`` may
-        lag by the lookups of the current step. ``None`` where this does not apply."""
+        """``lookup`` answering a key the primary holds, and a key no tier holds, from the
+        primary's ``block_table`` and the secondaries' probes; everything else (a key some
+        secondary holds) goes to the general path. One C call where every secondary has a
+        C probe (``finder``; ``kvoffload.tiers.fs._slotfind.TieredLookup``), else a
+        closure. ``None`` where the secondaries cannot all tell at once."""
         primary, probes = self.primary, self._probes
         if type(primary).lookup is not CPUOffloadingManager.lookup or probes is None:
             return None  # (a subclass answering lookups its own way keeps its answers)
-        status_of = primary.status_of
+        table = primary.block_table
         slow = self.lookup  # the bound method: the general path
+        finders = tuple(getattr(tier, "finder", None) for tier in self.secondaries)
+        if None not in finders and isinstance(table, dict):
+            from kvoffload.tiers.fs.index import _slotfind  # built, or there is no finder
+
+            native = _slotfind.TieredLookup(table, finders, slow, _HIT, _MISS, _PENDING)
+            self._take_counts = native.take_counts
+            return native.lookup
+        status_of = table.get
         hits = misses = 0
 
         def counted() -> tuple[int, int]:
@@ -176,25 +180,8 @@ class TieredOffloadingManager(OffloadingManager):
             return counts
 
         self._take_counts = counted
-        if len(probes) == 1:
-            (probe,) = probes
 
-            def lookup(key: OffloadKey) -> LookupResult:
-                nonlocal hits, misses
-                status = status_of(key)
-                if status is None:
-                    if probe(key) < 0:
-                        misses += 1
-                        return _MISS
-                    return slow(key)
-                if status.ref < 0:
-                    return _PENDING
-                hits += 1
-                return _HIT
-
-            return lookup
-
-        def lookup_many(key: OffloadKey) -> LookupResult:
+        def lookup(key: OffloadKey) -> LookupResult:
             nonlocal hits, misses
             status = status_of(key)
             if status is None:
@@ -208,7 +195,7 @@ class TieredOffloadingManager(OffloadingManager):
             hits += 1
             return _HIT
 
-        return lookup_many
+        return lookup
 
     def _count_lookups(self) -> None:
         """Hand the fast lookup's counts to the tiers: a hit is the primary's; a miss is a

@@ -11,6 +11,10 @@
  *   find(key) -> slot or -1            one key (bytes), same answer as SlotIndex's Python find
  *   split(keys) -> (slots, absent)     for a list or tuple of keys: the slots of the present
  *                                      ones and the absent keys, each in the order given
+ *   insert(keys, slots) -> None        SlotIndex.insert of each pair (keys not present,
+ *                                      slots not in use: the caller's contract, as in Python)
+ *   remove(slots) -> None              SlotIndex.remove of each slot (KeyError for one not in
+ *                                      use; the slots before it are removed)
  *
  * Links(prev, next) holds views of the two int32 arrays of a doubly linked list over slots
  * (kvoffload.tiers.fs.order.SlotLRU; the sentinel is the last index):
@@ -24,6 +28,18 @@
  * for the hash, the mask, every table entry). Here a miss is one hash read (cached on
  * bytes objects) and, mostly, one cache line of the byte tags, which are an eighth of
  * the table's size and so stay in the CPU's caches far longer.
+ *
+ * TieredLookup(table, finders, slow, hit, miss, pending): the tiered manager's lookup over
+ * the CPU tier's block table (a dict: key -> status with an int ``ref``) and the finders of
+ * the disk tiers below it:
+ *
+ *   lookup(key)    status in the table: ``pending`` if its ref < 0, else ``hit`` (counted);
+ *                  absent from the table and from every finder: ``miss`` (counted); held
+ *                  by a finder: ``slow(key)``, whatever it answers
+ *   take_counts()  (hits, misses) counted since the last call
+ *
+ * Why C here too: the scheduler looks up every key of every request; a key no tier holds
+ * then costs one dict probe and one index probe, without a Python frame.
  *
  * The hash is PyObject_Hash, which is what Python's hash() returns: the Python side
  * inserts with hash(), so both agree. Single-threaded use under the GIL, like SlotIndex.
@@ -40,10 +56,10 @@ typedef struct {
     PyObject_HEAD
     Py_buffer table, tags, keys, lens;
     int held; /* how many of the four views are held (released in reverse) */
-    const int64_t *tab;
-    const unsigned char *tg;
-    const unsigned char *kb;
-    const unsigned char *ln;
+    int64_t *tab;
+    unsigned char *tg;
+    unsigned char *kb;
+    unsigned char *ln;
     uint64_t mask;
     Py_ssize_t width;
     Py_ssize_t slots;
@@ -69,13 +85,14 @@ static int finder_init(Finder *f, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOn", names, &table, &tags, &keys, &lens, &width))
         return -1;
     release(f);
-    if (PyObject_GetBuffer(table, &f->table, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE;
+    if (PyObject_GetBuffer(table, &f->table, flags) < 0) return -1;
     f->held = 1;
-    if (PyObject_GetBuffer(tags, &f->tags, PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    if (PyObject_GetBuffer(tags, &f->tags, flags) < 0) goto fail;
     f->held = 2;
-    if (PyObject_GetBuffer(keys, &f->keys, PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    if (PyObject_GetBuffer(keys, &f->keys, flags) < 0) goto fail;
     f->held = 3;
-    if (PyObject_GetBuffer(lens, &f->lens, PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    if (PyObject_GetBuffer(lens, &f->lens, flags) < 0) goto fail;
     f->held = 4;
     Py_ssize_t entries = f->table.len / 8;
     if (f->table.len % 8 || entries < 1 || (entries & (entries - 1))) {
@@ -98,16 +115,21 @@ static int finder_init(Finder *f, PyObject *args, PyObject *kwds) {
                      f->slots * width, f->slots, width, f->keys.len);
         goto fail;
     }
-    f->tab = (const int64_t *)f->table.buf;
-    f->tg = (const unsigned char *)f->tags.buf;
-    f->kb = (const unsigned char *)f->keys.buf;
-    f->ln = (const unsigned char *)f->lens.buf;
+    f->tab = (int64_t *)f->table.buf;
+    f->tg = (unsigned char *)f->tags.buf;
+    f->kb = (unsigned char *)f->keys.buf;
+    f->ln = (unsigned char *)f->lens.buf;
     f->mask = (uint64_t)(entries - 1);
     f->width = width;
     return 0;
 fail:
     release(f);
     return -1;
+}
+
+static unsigned char byte_tag_of(Py_hash_t h) {
+    unsigned char t = (unsigned char)((uint64_t)h >> 56);
+    return t ? t : 1;
 }
 
 /* slot of key, -1 if absent, -2 with an exception set */
@@ -126,8 +148,7 @@ static Py_ssize_t find_one(Finder *f, PyObject *key) {
     const char *data = PyBytes_AS_STRING(key);
     uint64_t i = (uint64_t)h & f->mask;
     uint64_t tag = (uint64_t)h & TAG_MASK;
-    unsigned char byte_tag = (unsigned char)((uint64_t)h >> 56);
-    if (byte_tag == 0) byte_tag = 1;
+    unsigned char byte_tag = byte_tag_of(h);
     const unsigned char *tg = f->tg;
     unsigned char t;
     while ((t = tg[i]) != 0) {
@@ -143,6 +164,132 @@ static Py_ssize_t find_one(Finder *f, PyObject *key) {
         i = (i + 1) & f->mask;
     }
     return -1;
+}
+
+static int insert_one(Finder *f, PyObject *key, PyObject *slot_obj) {
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "a key must be bytes, got %.100s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(key);
+    if (n < 1 || n > f->width) {
+        PyErr_Format(PyExc_ValueError, "a key must be 1..%zd bytes, got %zd", f->width, n);
+        return -1;
+    }
+    Py_ssize_t slot = PyNumber_AsSsize_t(slot_obj, PyExc_OverflowError);
+    if (slot == -1 && PyErr_Occurred()) return -1;
+    if (slot < 0 || slot >= f->slots) {
+        PyErr_Format(PyExc_ValueError, "slot must be 0..%zd, got %zd", f->slots - 1, slot);
+        return -1;
+    }
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1) return -1;
+    uint64_t i = (uint64_t)h & f->mask, probes = 0;
+    while (f->tab[i] != 0) {
+        if (++probes > f->mask) {
+            PyErr_SetString(PyExc_RuntimeError, "the index table is full");
+            return -1;
+        }
+        i = (i + 1) & f->mask;
+    }
+    memcpy(f->kb + slot * f->width, PyBytes_AS_STRING(key), (size_t)n);
+    f->ln[slot] = (unsigned char)n;
+    f->tab[i] = (int64_t)((((uint64_t)h & TAG_MASK) << 32) | (uint64_t)(slot + 1));
+    f->tg[i] = byte_tag_of(h);
+    return 0;
+}
+
+static PyObject *finder_insert(Finder *f, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "insert takes 2 arguments (keys, slots), got %zd", nargs);
+        return NULL;
+    }
+    if (!f->held) {
+        PyErr_SetString(PyExc_ValueError, "Finder was not initialised");
+        return NULL;
+    }
+    PyObject *keys = PySequence_Fast(args[0], "insert takes a sequence of keys");
+    if (keys == NULL) return NULL;
+    PyObject *slots = PySequence_Fast(args[1], "insert takes a sequence of slots");
+    if (slots == NULL) {
+        Py_DECREF(keys);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject *result = NULL;
+    if (PySequence_Fast_GET_SIZE(slots) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd keys for %zd slots", n, PySequence_Fast_GET_SIZE(slots));
+        goto done;
+    }
+    PyObject **k = PySequence_Fast_ITEMS(keys), **s = PySequence_Fast_ITEMS(slots);
+    for (Py_ssize_t j = 0; j < n; j++)
+        if (insert_one(f, k[j], s[j]) < 0) goto done;
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    Py_DECREF(keys);
+    Py_DECREF(slots);
+    return result;
+}
+
+static int remove_one(Finder *f, PyObject *slot_obj) {
+    Py_ssize_t slot = PyNumber_AsSsize_t(slot_obj, PyExc_OverflowError);
+    if (slot == -1 && PyErr_Occurred()) return -1;
+    if (slot < 0 || slot >= f->slots || f->ln[slot] == 0) {
+        PyErr_Format(PyExc_KeyError, "slot %zd is not in the index", slot);
+        return -1;
+    }
+    PyObject *key = PyBytes_FromStringAndSize((const char *)f->kb + slot * f->width, f->ln[slot]);
+    if (key == NULL) return -1;
+    Py_hash_t h = PyObject_Hash(key);
+    Py_DECREF(key);
+    if (h == -1) return -1;
+    uint64_t mask = f->mask, i = (uint64_t)h & mask, want = (uint64_t)(slot + 1);
+    int64_t *tab = f->tab;
+    unsigned char *tg = f->tg;
+    while (((uint64_t)tab[i] & SLOT_MASK) != want) {
+        if (!tab[i]) {
+            PyErr_Format(PyExc_KeyError, "slot %zd is not in the index", slot);
+            return -1;
+        }
+        i = (i + 1) & mask;
+    }
+    /* Backward-shift deletion, as SlotIndex.remove: pull later entries of the probe run
+     * into the hole unless their home lies cyclically in (hole, their position]. */
+    uint64_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        uint64_t entry = (uint64_t)tab[j];
+        if (!entry) break;
+        uint64_t home = (entry >> 32) & mask;
+        if ((j > i && i < home && home <= j) || (j < i && (home > i || home <= j))) continue;
+        tab[i] = (int64_t)entry;
+        tg[i] = tg[j];
+        i = j;
+    }
+    tab[i] = 0;
+    tg[i] = 0;
+    f->ln[slot] = 0;
+    return 0;
+}
+
+static PyObject *finder_remove(Finder *f, PyObject *slots_obj) {
+    if (!f->held) {
+        PyErr_SetString(PyExc_ValueError, "Finder was not initialised");
+        return NULL;
+    }
+    PyObject *slots = PySequence_Fast(slots_obj, "remove takes a sequence of slots");
+    if (slots == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
+    PyObject **s = PySequence_Fast_ITEMS(slots);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (remove_one(f, s[j]) < 0) {
+            Py_DECREF(slots);
+            return NULL;
+        }
+    }
+    Py_DECREF(slots);
+    Py_RETURN_NONE;
 }
 
 static PyObject *finder_find(Finder *f, PyObject *key) {
@@ -183,6 +330,9 @@ static PyMethodDef finder_methods[] = {
     {"find", (PyCFunction)finder_find, METH_O, "find(key) -> slot, or -1 if absent."},
     {"split", (PyCFunction)finder_split, METH_O,
      "split(keys) -> (slots of the present keys, absent keys), each in the order given."},
+    {"insert", (PyCFunction)(void (*)(void))finder_insert, METH_FASTCALL,
+     "insert(keys, slots): each key (not present) into its slot (not in use)."},
+    {"remove", (PyCFunction)finder_remove, METH_O, "remove(slots): each slot (in use) out of the index."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -311,15 +461,134 @@ static PyTypeObject FinderType = {
     .tp_methods = finder_methods,
 };
 
+typedef struct {
+    PyObject_HEAD
+    PyObject *table, *finders, *slow, *hit, *miss, *pending, *ref_name;
+    Py_ssize_t hits, misses;
+} TieredLookup;
+
+static int tl_traverse(TieredLookup *t, visitproc visit, void *arg) {
+    Py_VISIT(t->table);
+    Py_VISIT(t->finders);
+    Py_VISIT(t->slow);
+    Py_VISIT(t->hit);
+    Py_VISIT(t->miss);
+    Py_VISIT(t->pending);
+    return 0;
+}
+
+static int tl_clear(TieredLookup *t) {
+    Py_CLEAR(t->table);
+    Py_CLEAR(t->finders);
+    Py_CLEAR(t->slow);
+    Py_CLEAR(t->hit);
+    Py_CLEAR(t->miss);
+    Py_CLEAR(t->pending);
+    Py_CLEAR(t->ref_name);
+    return 0;
+}
+
+static void tl_dealloc(TieredLookup *t) {
+    PyObject_GC_UnTrack(t);
+    tl_clear(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int tl_init(TieredLookup *t, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"table", "finders", "slow", "hit", "miss", "pending", NULL};
+    PyObject *table, *finders, *slow, *hit, *miss, *pending;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OOOO", names, &PyDict_Type, &table, &PyTuple_Type,
+                                     &finders, &slow, &hit, &miss, &pending))
+        return -1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(finders); i++) {
+        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(finders, i), &FinderType)) {
+            PyErr_SetString(PyExc_TypeError, "finders must be a tuple of Finder objects");
+            return -1;
+        }
+    }
+    if (!PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "slow must be callable");
+        return -1;
+    }
+    PyObject *ref_name = PyUnicode_InternFromString("ref");
+    if (ref_name == NULL) return -1;
+    tl_clear(t);
+    t->table = Py_NewRef(table);
+    t->finders = Py_NewRef(finders);
+    t->slow = Py_NewRef(slow);
+    t->hit = Py_NewRef(hit);
+    t->miss = Py_NewRef(miss);
+    t->pending = Py_NewRef(pending);
+    t->ref_name = ref_name;
+    t->hits = t->misses = 0;
+    return 0;
+}
+
+static PyObject *tl_lookup(TieredLookup *t, PyObject *key) {
+    if (t->table == NULL) {
+        PyErr_SetString(PyExc_ValueError, "TieredLookup was not initialised");
+        return NULL;
+    }
+    PyObject *status = PyDict_GetItemWithError(t->table, key); /* borrowed */
+    if (status == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_ssize_t n = PyTuple_GET_SIZE(t->finders);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t slot = find_one((Finder *)PyTuple_GET_ITEM(t->finders, i), key);
+            if (slot == -2) return NULL;
+            if (slot >= 0) return PyObject_CallOneArg(t->slow, key);
+        }
+        t->misses++;
+        return Py_NewRef(t->miss);
+    }
+    PyObject *ref = PyObject_GetAttr(status, t->ref_name);
+    if (ref == NULL) return NULL;
+    long r = PyLong_AsLong(ref);
+    Py_DECREF(ref);
+    if (r == -1 && PyErr_Occurred()) return NULL;
+    if (r < 0) return Py_NewRef(t->pending);
+    t->hits++;
+    return Py_NewRef(t->hit);
+}
+
+static PyObject *tl_take_counts(TieredLookup *t, PyObject *Py_UNUSED(ignored)) {
+    PyObject *counts = Py_BuildValue("(nn)", t->hits, t->misses);
+    if (counts != NULL) t->hits = t->misses = 0;
+    return counts;
+}
+
+static PyMethodDef tl_methods[] = {
+    {"lookup", (PyCFunction)tl_lookup, METH_O, "lookup(key) -> hit, miss, pending or slow(key)."},
+    {"take_counts", (PyCFunction)tl_take_counts, METH_NOARGS, "take_counts() -> (hits, misses) since last."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TieredLookupType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvoffload.tiers.fs._slotfind.TieredLookup",
+    .tp_basicsize = sizeof(TieredLookup),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "TieredLookup(table, finders, slow, hit, miss, pending): a tiered manager's lookup.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)tl_init,
+    .tp_dealloc = (destructor)tl_dealloc,
+    .tp_traverse = (traverseproc)tl_traverse,
+    .tp_clear = (inquiry)tl_clear,
+    .tp_free = PyObject_GC_Del,
+    .tp_methods = tl_methods,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "_slotfind", .m_doc = NULL, .m_size = -1,
 };
 
 PyMODINIT_FUNC PyInit__slotfind(void) {
-    if (PyType_Ready(&FinderType) < 0 || PyType_Ready(&LinksType) < 0) return NULL;
+    if (PyType_Ready(&FinderType) < 0 || PyType_Ready(&LinksType) < 0 || PyType_Ready(&TieredLookupType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddType(m, &FinderType) < 0 || PyModule_AddType(m, &LinksType) < 0) {
+    if (PyModule_AddType(m, &FinderType) < 0 || PyModule_AddType(m, &LinksType) < 0 ||
+        PyModule_AddType(m, &TieredLookupType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -13,18 +13,20 @@ for ``num_slots`` (pages of ``numpy.zeros`` cost nothing until touched).
 The C probe walks the byte array (an eighth of the table's size, so a miss usually costs
 one cache line that stays cached) and reads a table entry only where its 8 bits match;
 the Python probe walks the table. Only an entry whose 31-bit tag matches costs a key
-comparison (in place: no copy). The scheduler asks for every key it looks up or touches, so the
-reads run in C when ``kvoffload.tiers.fs._slotfind`` was built (``NATIVE``; see
-pyproject.toml): ``find`` is then a C method over the same arrays, about as cheap as a
-``dict`` lookup. Without it, ``find`` is a closure walking the table in Python (several
-times slower). Writes (``insert``, ``insert_many``, ``remove``) are Python either way.
+comparison (in place: no copy). The scheduler asks for every key it looks up or touches,
+so the probe and the writes run in C when ``kvoffload.tiers.fs._slotfind`` was built
+(``NATIVE``; see pyproject.toml): ``find`` is then a C method over the same arrays, about
+as cheap as a ``dict`` lookup, and a batch of inserts or removals one C call. Without it,
+``find`` is a closure walking the table in Python (several times slower) and the writes
+are Python (``insert_many`` vectorised with numpy); both build the same arrays.
 
 Contract: ``find(key)`` -> slot or -1 (compares the full key, never a hash alone);
 ``split(keys)`` -> (slots of the present keys, absent keys), each in the order given;
-``insert(key, slot)`` for a key not present and a slot not in use; ``remove(slot)`` for a
-slot in use; ``key_of(slot)``. Hashes come from Python's ``hash`` of the key (cached on
-bytes objects; C's ``PyObject_Hash`` is the same value): process-local, which is fine for
-an index rebuilt in every process. Single-threaded, like the manager that owns it.
+``insert(key, slot)`` (and ``insert_many``) for a key not present and a slot not in use;
+``remove(slot)`` (and ``remove_many``) for a slot in use; ``key_of(slot)``. Hashes come
+from Python's ``hash`` of the key (cached on bytes objects; C's ``PyObject_Hash`` is the
+same value): process-local, which is fine for an index rebuilt in every process.
+Single-threaded, like the manager that owns it.
 """
 
 from __future__ import annotations
@@ -141,7 +143,21 @@ class SlotIndex:
             raise ValueError(f"a key must be 1..{self.max_key_bytes} bytes, got {key!r}")
         return key
 
+    def check_keys(self, keys: Sequence[object]) -> None:
+        """``check_key`` of every key (C loops where all are ``bytes``)."""
+        if keys and (
+            set(map(type, keys)) != {bytes}
+            or min(map(len, keys)) == 0  # type: ignore[arg-type]
+            or max(map(len, keys)) > self.max_key_bytes  # type: ignore[arg-type]
+        ):
+            for key in keys:
+                self.check_key(key)
+
     def insert(self, key: bytes, slot: int) -> None:
+        if self.finder is not None:
+            self.finder.insert((key,), (slot,))
+            self.size += 1
+            return
         h = hash(key)
         start = slot * self.max_key_bytes
         self._keys[start : start + len(key)] = key
@@ -155,8 +171,12 @@ class SlotIndex:
         self.size += 1
 
     def insert_many(self, keys: list[bytes], slots) -> None:
-        """``insert`` of every pair at once (vectorised probing; the rebuild's bulk path)."""
+        """``insert`` of every pair at once (one C call; in Python, vectorised probing)."""
         n = len(keys)
+        if self.finder is not None:
+            self.finder.insert(keys, slots)
+            self.size += n
+            return
         if n < 32:
             for key, slot in zip(keys, slots):
                 self.insert(key, int(slot))
@@ -193,6 +213,10 @@ class SlotIndex:
         self.size += n
 
     def remove(self, slot: int) -> None:
+        if self.finder is not None:
+            self.finder.remove((slot,))
+            self.size -= 1
+            return
         mask, table, tags = self._mask, self._table, self._tags
         i = hash(self.key_of(slot)) & mask
         while table[i] & _SLOT != slot + 1:
@@ -217,6 +241,15 @@ class SlotIndex:
         tags[i] = 0
         self._lens[slot] = 0
         self.size -= 1
+
+    def remove_many(self, slots: Sequence[int]) -> None:
+        """``remove`` of every slot (one C call where built)."""
+        if self.finder is not None:
+            self.finder.remove(slots)
+            self.size -= len(slots)
+            return
+        for slot in slots:
+            self.remove(slot)
 
     def clear(self) -> None:
         self._table_array.fill(0)

@@ -112,8 +112,10 @@ class FSOffloadingManager(OffloadingManager):
         self._find = self._index.find
         # The slot of a key in any state, -1 if absent; counts nothing. One C call where
         # the probe is built (SlotIndex): the tiered manager asks it for every key the CPU
-        # tier misses, and reports its misses with ``count_lookups``.
+        # tier misses, and reports its misses with ``count_lookups``. ``finder``: the C
+        # probe object itself (None without it), which the tiered manager's C lookup reads.
         self.probe = self._find
+        self.finder = self._index.finder
         self._state_array = np.full(n, _FREE, dtype=np.int32)
         self._state = memoryview(self._state_array)
         self.order = make_order(policy_cls, n, self._index, self._state)
@@ -252,15 +254,9 @@ class FSOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         index, state, order = self._index, self._state, self.order
-        find, check = index.find, index.check_key
-        present: list[int] = []
-        new_keys: list[OffloadKey] = []
-        for key in dict.fromkeys(keys):
-            slot = find(check(key))
-            if slot < 0:
-                new_keys.append(key)
-            else:
-                present.append(slot)
+        unique = list(dict.fromkeys(keys))
+        index.check_keys(unique)
+        present, new_keys = index.split(unique)
         if not order.admits_all:
             new_keys = [key for key in new_keys if order.admit(key)]
         free = self._free
@@ -273,11 +269,12 @@ class FSOffloadingManager(OffloadingManager):
             victims = order.evict(shortfall, set(keys), set(present))
             if victims is None:
                 return None
+            key_of = index.key_of
+            evicted = [OffloadKey(key_of(slot)) for slot in victims]
+            index.remove_many(victims)
             for slot in victims:
-                evicted.append(OffloadKey(index.key_of(slot)))
-                index.remove(slot)
                 state[slot] = _FREE
-                free.append(slot)
+            free.extend(victims)
             self._counters.evictions += len(victims)
             if self.enable_events:
                 self._events.append(OffloadingEvent(evicted, self.medium, True))
@@ -289,8 +286,8 @@ class FSOffloadingManager(OffloadingManager):
         if reused:
             slots.extend(reversed(free[-reused:]))
             del free[-reused:]
-        for key, slot in zip(new_keys, slots):
-            index.insert(key, slot)
+        index.insert_many(new_keys, slots)
+        for slot in slots:
             state[slot] = -1
         self._in_flight += len(new_keys)
         order.insert(new_keys, slots)

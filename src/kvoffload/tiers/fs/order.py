@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from functools import partial
-from itertools import islice
+from itertools import islice, repeat
 
 import numpy as np
 
@@ -114,11 +114,7 @@ class SlotLRU:
         reserved = self._reserved
         if not reserved:
             return
-        runs: dict[int, tuple[OffloadKey, ...]] = {}
-        for key in keys:
-            run = reserved.pop(key, None)
-            if run is not None:
-                runs.setdefault(id(run), run)
+        runs = {id(run): run for run in map(reserved.pop, keys, repeat(None)) if run is not None}
         for run in runs.values():
             self._to_end(run)
 
