@@ -9,7 +9,14 @@ completed as soon as it is planned. Reported: microseconds per request for ``mat
 request per step for ``build_step`` + ``complete_jobs`` during prefill and decode, and per
 request for ``request_finished`` (with the manager's ``on_request_finished``).
 
+Each repetition runs it over the CPU tier alone and over the CPU tier with a disk tier
+below it (``FSOffloadingManager``; the write-throughs the steps plan are never run, so
+the disk tier holds their blocks in flight), then times ``lookup`` of keys stored in the
+CPU tier and of keys no tier holds on both managers in turns. ``--disk-fill N`` first
+puts N blocks of other keys on the disk tier (a full disk index of N blocks).
+
     .venv/bin/python bench/bench_scheduler.py [--requests N] [--prompt TOKENS] [--decode STEPS]
+        [--reps N] [--disk-fill BLOCKS]
 """
 
 from __future__ import annotations
@@ -103,12 +110,20 @@ def lookup_ns(managers: dict[str, object], keys: list, passes: int = 9) -> dict[
     return {name: statistics.median(t) / len(keys) * 1e9 for name, t in times.items()}
 
 
-def make_manager(kind: str, blocks: int, folder: str):
-    """A CPU tier of ``blocks`` blocks, alone (``cpu``) or over a disk tier (``cpu+fs``)."""
+def make_manager(kind: str, blocks: int, folder: str, disk_fill: int = 0):
+    """A CPU tier of ``blocks`` blocks, alone (``cpu``) or over a disk tier (``cpu+fs``) of
+    ``4 * blocks`` blocks, or of ``disk_fill`` blocks holding as many blocks of their own
+    (keys no request names) when ``disk_fill`` is larger."""
     cpu = CPUOffloadingManager(blocks, "lru", enable_events=True)
     if kind == "cpu":
         return cpu
-    disk = FSOffloadingManager(folder, "bench", 4096, 4 * blocks * Geometry(4096).stored_block_bytes)
+    slots = max(4 * blocks, disk_fill)
+    disk = FSOffloadingManager(folder, "bench", 4096, slots * Geometry(4096).stored_block_bytes)
+    for start in range(0, disk_fill, 4096):
+        batch = [
+            make_offload_key(i.to_bytes(32, "big"), 7) for i in range(start, min(start + 4096, disk_fill))
+        ]
+        disk.complete_store(disk.prepare_store(batch).keys_to_store)
     return TieredOffloadingManager(cpu, [disk])
 
 
@@ -118,6 +133,9 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3, help="runs per manager, taken in turns")
+    parser.add_argument(
+        "--disk-fill", type=int, default=0, help="blocks of other keys on the disk tier (default: none)"
+    )
     args = parser.parse_args()
     if min(args.requests, args.prompt, args.decode, args.reps) <= 0:
         parser.error("--requests, --prompt, --decode and --reps must be positive")
@@ -141,7 +159,9 @@ def main() -> int:
         for rep in range(args.reps):
             managers = {}
             for kind in kinds:
-                manager = managers[kind] = make_manager(kind, blocks, os.path.join(folder, f"{kind}-{rep}"))
+                manager = managers[kind] = make_manager(
+                    kind, blocks, os.path.join(folder, f"{kind}-{rep}"), args.disk_fill
+                )
                 sched = OffloadingScheduler(
                     manager, [KVGroup(BLOCK)], hash_block_size=BLOCK, kv_events="self_describing"
                 )
@@ -164,7 +184,8 @@ def main() -> int:
     print(
         f"{args.requests} requests x {args.prompt} prompt tokens, {args.decode} decode steps, "
         f"16-token blocks; {events} wire events from the first batch; median of {args.reps} runs "
-        f"per manager, taken in turns; load average {os.getloadavg()[0]:.2f}"
+        f"per manager, taken in turns; disk tier filled with {args.disk_fill} blocks; "
+        f"load average {os.getloadavg()[0]:.2f}"
     )
     print()
     print(

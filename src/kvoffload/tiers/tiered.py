@@ -228,7 +228,11 @@ class TieredOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         primary = self.primary
-        in_flight = [key for key in keys if primary.state(key) == -1] if success else []
+        if success:  # the keys this call makes loadable (the others are not in flight)
+            get = primary.block_table.get
+            in_flight = [key for key in keys if (status := get(key)) is not None and status.ref == -1]
+        else:
+            in_flight = []
         primary.complete_store(keys, success)
         if in_flight:
             self._write_through(in_flight)
