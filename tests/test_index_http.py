@@ -309,3 +309,39 @@ def test_the_cli_names_a_bad_option() -> None:
         timeout=60,
     )
     assert proc.returncode != 0 and "'ssd=1'" in proc.stderr
+
+
+def test_score_response_counts_engines_per_matched_depth() -> None:
+    from kvoffload.index.core import EngineMatch, QueryResult
+    from kvoffload.index.server import score_response
+    from kvoffload.index.state import SourceState
+
+    def match(instance: int, rank: int, levels: tuple[int, int, int, int]) -> EngineMatch:
+        return EngineMatch(instance, rank, levels, float(levels[0]), SourceState.EXACT, (9, 9, 0, 0))
+
+    result = QueryResult("llama", "default", BS, 5)
+    result.matches = [match(1, 0, (3, 5, 5, 5)), match(1, 1, (1, 1, 2, 2)), match(2, 0, (0, 4, 4, 4))]
+    result.matches.append(match(3, 0, (3, 3, 3, 3)))
+    body = score_response(result)
+    # Depth 1 is matched on the device by 3 engines, depths 2-3 by the two reaching 3.
+    assert body["frequencies"] == [3, 2, 2]
+    assert body["scores"] == {"1": {"0": 3 * BS, "1": BS}, "3": {"0": 3 * BS}}
+    assert body["tree_sizes"] == {"1": {"0": 9, "1": 9}, "3": {"0": 9}}
+    assert body["instances"]["1"]["longest_matched"] == 5 * BS
+    tiers = {"gpu": 0, "cpu": 4 * BS, "disk": 4 * BS, "shared": 4 * BS, "weighted": 0.0, "state": "EXACT"}
+    assert body["instances"]["2"] == {"longest_matched": 4 * BS, "dp": {"0": tiers}}
+
+
+def test_without_uvloop_the_server_runs_on_asyncio_and_still_answers_errors(monkeypatch) -> None:
+    import asyncio
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    service = IndexService(BlockIndex(TierWeights()))
+    with IndexServer(service, "127.0.0.1", 0) as srv:
+        assert isinstance(srv._loop, asyncio.BaseEventLoop)
+        assert not type(srv._loop).__module__.startswith("uvloop")
+        assert call(srv, "/health") == (200, {"status": "ok"})
+        status, body = call(srv, "/query_by_hash", {"block_hashes": [1], "model_name": "nope"})
+        assert status == 404 and "nope" in body["error"]
+        status, body = call(srv, "/query_by_hash", {"block_hashes": ["x"], "model_name": "m"})
+        assert status == 400 and body["field"] == "block_hashes"

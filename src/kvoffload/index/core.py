@@ -31,7 +31,7 @@ import heapq
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,8 +46,7 @@ from kvoffload.validation import non_negative_int, positive_int
 _M64 = (1 << 64) - 1
 
 
-@dataclass(frozen=True)
-class EngineMatch:
+class EngineMatch(NamedTuple):
     instance_id: int | str
     dp_rank: int
     levels: Levels  # cumulative blocks: device, host, disk, shared

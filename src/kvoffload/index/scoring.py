@@ -170,9 +170,9 @@ def _run_lengths(cums: np.ndarray, n: int) -> list[list[int]]:
             low = dropped & -dropped
             lengths[(low.bit_length() - 1) // BITS_PER_ENGINE][level] = 0
             dropped ^= low
-    changes = np.nonzero(cums[:, 1:] != cums[:, :-1])
-    for level, i in zip(changes[0].tolist(), changes[1].tolist()):
-        dropped = int(cums[level, i]) & ~int(cums[level, i + 1])
+    levels, places = np.nonzero(cums[:, 1:] != cums[:, :-1])
+    drops = (cums[levels, places] & ~cums[levels, places + 1]).tolist()
+    for level, i, dropped in zip(levels.tolist(), places.tolist(), drops):
         while dropped:
             low = dropped & -dropped
             lengths[(low.bit_length() - 1) // BITS_PER_ENGINE][level] = i + 1

@@ -38,6 +38,7 @@ WAYS = 8  # slots per bucket: one 64-byte cache line of keys
 MAX_LOAD = 0.5  # low enough that a hash's first bucket almost always has room
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_ZERO = np.uint64(0)
 _BIG_ENDIAN = sys.byteorder == "big"
 _M64 = (1 << 64) - 1
 _COUNT_SHIFT = 16  # refcount keys are (hash << 16) | bit: up to 16,384 engines of 4 tiers
@@ -187,13 +188,13 @@ class BlockTable:
         """Each hash's holder mask, one uint64 array per 64 holder bits (0: unknown).
         Hashes where ``valid`` is False count as unknown."""
         n = len(hashes)
-        out = [np.zeros(n, dtype=np.uint64) for _ in self.masks]
         if not n:
-            return out
+            return [np.zeros(0, dtype=np.uint64) for _ in self.masks]
+        out: list[np.ndarray] = [_ZERO] * len(self.masks)
         pos = self._find(hashes)
-        rows = np.flatnonzero(pos >= 0)
-        for values, masks in zip(out, self.masks):
-            values[rows] = masks[pos[rows]]
+        found = pos >= 0
+        for word, masks in enumerate(self.masks):
+            out[word] = np.where(found, masks[pos], _ZERO)  # pos -1 reads a slot, then discarded
         if self._zero:
             zeros = np.flatnonzero(hashes == 0)
             for word, values in enumerate(out):
@@ -226,19 +227,25 @@ class BlockTable:
             self.masks.append(np.zeros(self.capacity, dtype=np.uint64))
         return word, np.uint64(1 << offset)
 
+    def _rows(self, bucket: np.ndarray) -> np.ndarray:
+        """The key rows of ``bucket`` (n, 8). ``take`` copies each 64-byte row at once,
+        where indexing (``keys[bucket]``) goes element by element: 10 against 190 us
+        for 2,048 buckets."""
+        return self.keys.take(bucket, axis=0)
+
     def _find(self, keys: np.ndarray) -> np.ndarray:
         """Flat slot of each key, -1 where absent. The key 0 finds some empty slot (mask 0):
         callers keep it out, or (lookups) read its mask as nothing and patch it."""
+        bucket = ((keys * _M1) >> self._shift).astype(np.intp)
+        rows, ways = _one_per_row(self._rows(bucket) == keys[:, None])
         pos = np.full(len(keys), -1, dtype=np.intp)
-        rest = np.arange(len(keys))
-        for multiplier in (_M1, _M2):
+        pos[rows] = bucket[rows] * WAYS + ways
+        if len(rows) < len(keys):  # a few overflowed into their second bucket
+            rest = np.flatnonzero(pos < 0)
             candidates = keys[rest]
-            bucket = ((candidates * multiplier) >> self._shift).astype(np.intp)
-            rows, ways = _one_per_row(self.keys[bucket] == candidates[:, None])
+            bucket = ((candidates * _M2) >> self._shift).astype(np.intp)
+            rows, ways = _one_per_row(self._rows(bucket) == candidates[:, None])
             pos[rest[rows]] = bucket[rows] * WAYS + ways
-            rest = rest[pos[rest] < 0]
-            if not len(rest):
-                break
         return pos
 
     def _insert(self, keys: np.ndarray, payload: np.ndarray) -> None:
@@ -255,7 +262,7 @@ class BlockTable:
             rest = np.arange(len(keys))
             for multiplier in (_M1, _M2):
                 bucket = ((keys[rest] * multiplier) >> self._shift).astype(np.intp)
-                rows, ways = _lowest_per_row(self.keys[bucket] == 0)
+                rows, ways = _lowest_per_row(self._rows(bucket) == 0)
                 slot[rest[rows]] = bucket[rows] * WAYS + ways
                 rest = rest[slot[rest] < 0]
                 if not len(rest):
