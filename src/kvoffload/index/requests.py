@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from array import array
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -55,7 +56,8 @@ class UnregisterRequest(_Named):
 
 
 class QueryRequest(_Named):
-    token_ids: list[int] | None = None
+    # Non-negativity is checked while decoding: a separate pass over 32k ids cost 0.35 ms.
+    token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
     tenant_id: str = "default"
     lora_name: str | None = None
     cache_salt: str | None = None
@@ -77,12 +79,21 @@ _TYPES: dict[str, type[_Named]] = {
 _DECODERS = {kind: msgspec.json.Decoder(cls) for kind, cls in _TYPES.items()}
 
 
+class _AnyTokensQuery(msgspec.Struct):
+    token_ids: list[int] | None = None
+
+
+_ANY_TOKENS = msgspec.json.Decoder(_AnyTokensQuery)
+
+
 def parse(kind: str, body: bytes) -> _Named:
     if not body:
         raise BadRequest(None, "the request body must be a JSON object, got an empty body")
     try:
         request = _DECODERS[kind].decode(body)
     except msgspec.ValidationError as exc:
+        if kind == "query":
+            _name_a_negative_token(body)
         match = _FIELD.search(str(exc))
         field = next((g for g in match.groups() if g), None) if match else None
         raise BadRequest(field, f"invalid {field or 'request'}: {exc}") from None
@@ -95,14 +106,23 @@ def parse(kind: str, body: bytes) -> _Named:
         _require(request, "instance_id")
     elif isinstance(request, QueryRequest):
         _require(request, "token_ids")
-        if request.token_ids and min(request.token_ids) < 0:
-            raise BadRequest("token_ids", f"token_ids must be non-negative, got {min(request.token_ids)}")
     elif isinstance(request, QueryByHashRequest):
         if request.block_hashes is None:
             request.block_hashes = request.seq_hashes
         _require(request, "block_hashes")
         request.block_hashes = hash_array(request.block_hashes)  # type: ignore[assignment]
     return request
+
+
+def _name_a_negative_token(body: bytes) -> None:
+    """Raise the error naming the smallest token id if the ids are ints but one is negative
+    (the strict decoder's message does not give the value)."""
+    try:
+        tokens = _ANY_TOKENS.decode(body).token_ids
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return
+    if tokens and min(tokens) < 0:
+        raise BadRequest("token_ids", f"token_ids must be non-negative, got {min(tokens)}") from None
 
 
 def hash_array(hashes: list[int]) -> np.ndarray:

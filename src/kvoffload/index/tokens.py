@@ -111,10 +111,23 @@ class TokenChains:
         new, old = self._new, self._old
         out: list[int] = []
         parent: int | None = None
-        for i in range(len(token_ids) // block_size):
-            key = _key(
-                parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra(i) if extra else None
-            )
+        tokens = tuple(token_ids)  # one conversion; each block is then a tuple slice
+        ends = range(block_size, len(tokens) + 1, block_size)
+        if extra is None:
+            # ``_key`` inlined: this loop runs once per block of every /query.
+            get = new.get
+            for end in ends:
+                key = hash((parent, tokens[end - block_size : end], None))
+                h = get(key)
+                if h is None:
+                    h = old.get(key)
+                    if h is None:
+                        break
+                out.append(h)
+                parent = h
+            return out
+        for i, end in enumerate(ends):
+            key = _key(parent, tokens[end - block_size : end], extra(i))
             h = new.get(key)
             if h is None:
                 h = old.get(key)
