@@ -10,7 +10,18 @@ import pytest
 from kvoffload.keys import make_offload_key
 from kvoffload.tiers.redis.breaker import CircuitBreaker
 from kvoffload.tiers.redis.client import ServerSettings, check_url, redact
-from kvoffload.tiers.redis.format import HEADER_BYTES, CorruptValue, KeyNames, decode, encode, redis_namespace
+from kvoffload.tiers.redis.format import (
+    CRC_AT,
+    HEADER_BYTES,
+    CorruptValue,
+    KeyNames,
+    check_head,
+    decode,
+    encode,
+    head,
+    head_template,
+    redis_namespace,
+)
 from kvoffload.tiers.secondary import parse_secondary_tiers
 
 KEY = make_offload_key(b"\x07" * 32, 1)
@@ -35,6 +46,20 @@ def test_a_value_round_trips_and_every_check_catches_its_fault():
     for words, args in faults.items():
         with pytest.raises(CorruptValue, match=words):
             decode(*args)
+
+
+def test_the_head_template_is_the_head_but_for_its_crc():
+    """A reader compares a value's head with the template either side of the CRC field: the
+    template must be the writer's head exactly there, and differ from it only in the CRC."""
+    real = head(KEY, PAYLOAD, NAMES.digest)
+    template = head_template(KEY, 1536, NAMES.digest)
+    assert len(template) == len(real) == HEADER_BYTES + len(KEY)
+    assert template[:CRC_AT] == real[:CRC_AT] and template[CRC_AT + 4 :] == real[CRC_AT + 4 :]
+    assert int.from_bytes(real[CRC_AT : CRC_AT + 4], "big") == check_head(
+        real, KEY, NAMES.digest, 1536, len(real) + 1536
+    )
+    assert template[CRC_AT : CRC_AT + 4] == bytes(4)
+    assert head_template(KEY, 1535, NAMES.digest) != template  # the payload length is in it
 
 
 def test_key_names_invert_and_namespaces_follow_the_identity():

@@ -116,19 +116,31 @@ def test_a_malformed_reply_is_a_protocol_error(peer, bad):
         RespStream(p.ours).reply()
 
 
-def test_a_peer_closing_mid_value_is_a_connection_error(peer):
+def stream_of(p: Peer, scatter: bool) -> RespStream:
+    """A stream on ``p`` that receives values into the rows (``scatter``, as on a plain
+    socket) or into its own buffer first (as on a TLS socket, which cannot scatter)."""
+    stream = RespStream(p.ours)
+    assert stream.scatters  # a socket pair can
+    stream.scatters = scatter
+    return stream
+
+
+@pytest.mark.parametrize("scatter", [True, False])
+def test_a_peer_closing_mid_value_is_a_connection_error(peer, scatter):
     p = peer()
     key = b"k" * 36
     value = encode(key, [b"\x01" * 5000], NAMES.digest)
     p.reply(bulk(value)[: len(value) // 2], 100, close=True)
     rows = [memoryview(bytearray(5000))]
     with pytest.raises(ConnectionError):
-        get_into(RespStream(p.ours), [(b"name", key, rows)], NAMES.digest)
-    assert bytes(rows[0]) == bytes(5000)  # half a value never reaches the rows
+        get_into(stream_of(p, scatter), [(b"name", key, rows)], NAMES.digest)
+    if not scatter:
+        assert bytes(rows[0]) == bytes(5000)  # read into the buffer: half a value never reaches the rows
 
 
+@pytest.mark.parametrize("scatter", [True, False])
 @pytest.mark.parametrize("piece", [1, 7, 1500, 1 << 20])
-def test_values_are_checked_whole_and_only_good_ones_reach_the_rows(peer, piece):
+def test_values_are_checked_whole_and_only_good_ones_reach_the_rows(peer, piece, scatter):
     rng = np.random.default_rng(piece)
     widths = (3, 4096, 1000)
     keys = [bytes([i]) * 36 for i in range(7)]
@@ -149,16 +161,70 @@ def test_values_are_checked_whole_and_only_good_ones_reach_the_rows(peer, piece)
     p.reply(b"".join(replies), piece, seed=piece)
     rows = [[memoryview(bytearray(b"\xee" * w)) for w in widths] for _ in keys]
     names = [b"n%d" % i for i in range(7)]
-    got = get_into(RespStream(p.ours), list(zip(names, keys, rows)), NAMES.digest)
+    got = get_into(stream_of(p, scatter), list(zip(names, keys, rows)), NAMES.digest)
     assert got[0] is True and got[6] is True and got[1] is None
     assert isinstance(got[2], ServerError) and "WRONGTYPE" in got[2].message
     assert all(isinstance(g, CorruptValue) for g in got[3:6])
     assert "CRC32C" in str(got[4]) and "another key" in str(got[5])
     for i in (0, 6):
         assert [bytes(r) for r in rows[i]] == [a.tobytes() for a in payloads[i]]
-    for i in range(1, 6):
-        assert all(bytes(r) == b"\xee" * r.nbytes for r in rows[i])  # left as they were
+    if not scatter:  # checked in the stream's buffer: the rows of a bad value are left as they were
+        for i in range(1, 6):
+            assert all(bytes(r) == b"\xee" * r.nbytes for r in rows[i])
     assert p.all_received() == b"".join(command(b"GET", n) for n in names)
+
+
+@pytest.mark.parametrize("piece", [1, 5, 97, 1500, 1 << 20])
+def test_values_received_into_the_rows_are_checked_there_and_a_surprise_ends_the_plan(peer, piece):
+    """Planned (scattered) replies: the bad values of the expected length come first, so the
+    checks on the rows decide them; then replies that are not as planned (a null, a value of
+    another length) hand the rest back to the reply-by-reply reader, which still gets the good
+    values after them right; bytes the stream held before the batch are placed first."""
+    rng = np.random.default_rng(piece)
+    widths = (3, 4096, 1000)
+    keys = [bytes([i]) * 36 for i in range(9)]
+    payloads = [[rng.integers(0, 256, w, dtype=np.uint8) for w in widths] for _ in keys]
+    good = [encode(key, payload, NAMES.digest) for key, payload in zip(keys, payloads)]
+    flipped = bytearray(good[1])
+    flipped[-1] ^= 0x80  # the payload's last byte: CRC
+    foreign = encode(keys[3], payloads[3], KeyNames("kvoffload", "kvr-other").digest)  # namespace
+    replies = [
+        bulk(good[0]),
+        bulk(bytes(flipped)),
+        bulk(good[0]),  # the expected length, another key
+        bulk(foreign),
+        bulk(good[4]),
+        b"$-1\r\n",  # missing: the plan ends here
+        bulk(good[6]),
+        bulk(good[7] + b"x"),  # another length
+        bulk(good[8]),
+    ]
+    p = peer()
+    p.reply(b"+PONG\r\n" + b"".join(replies), piece, seed=piece)
+    stream = stream_of(p, True)
+    assert stream.reply() == b"PONG"  # may have read some of the values into the buffer
+    rows = [[memoryview(bytearray(b"\xee" * w)) for w in widths] for _ in keys]
+    names = [b"n%d" % i for i in range(9)]
+    got = get_into(stream, list(zip(names, keys, rows)), NAMES.digest)
+    assert [g is True for g in got] == [True, False, False, False, True, False, True, False, True]
+    assert "CRC32C" in str(got[1]) and "another key" in str(got[2]) and "namespace" in str(got[3])
+    assert got[5] is None and "expected" in str(got[7])
+    for i in (0, 4, 6, 8):
+        assert [bytes(r) for r in rows[i]] == [a.tobytes() for a in payloads[i]]
+    p.reply(bulk(good[2]), piece)  # the stream is in step for the next batch
+    assert get_into(stream, [(b"again", keys[2], rows[2])], NAMES.digest) == [True]
+    assert [bytes(r) for r in rows[2]] == [a.tobytes() for a in payloads[2]]
+
+
+@pytest.mark.parametrize("scatter", [True, False])
+def test_a_value_not_followed_by_crlf_is_a_protocol_error(peer, scatter):
+    key = b"q" * 36
+    value = encode(key, [b"\x02" * 100], NAMES.digest)
+    p = peer()
+    p.reply(b"$%d\r\n%sXY" % (len(value), value) + bulk(value), 1 << 10)
+    with pytest.raises(ProtocolError):
+        rows = [[memoryview(bytearray(100))] for _ in range(2)]
+        get_into(stream_of(p, scatter), [(b"a", key, rows[0]), (b"b", key, rows[1])], NAMES.digest)
 
 
 def test_vectored_sends_survive_partial_writes_and_more_buffers_than_one_call_takes(peer):

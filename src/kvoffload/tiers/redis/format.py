@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 DIGEST_BYTES = 16
 _HEADER = struct.Struct(">4sHHIQ16s")
 HEADER_BYTES = _HEADER.size
+CRC_AT = 8  # the CRC32C field's offset in the header (after magic, version and key length)
 
 
 class CorruptValue(Exception):
@@ -91,6 +92,13 @@ def head(key: bytes, payload: Sequence[Any], digest: bytes) -> bytes:
         crc = _crc32c.crc32c(part, crc)
         size += memoryview(part).nbytes
     return _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), crc, size, digest) + key
+
+
+def head_template(key: bytes, payload_bytes: int, digest: bytes) -> bytes:
+    """What ``head`` gives for ``key``'s block of ``payload_bytes`` in this namespace, but
+    with zeros for the CRC32C (4 bytes at ``CRC_AT``): a value's head that equals it either
+    side of the CRC passes every check of ``check_head``."""
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), 0, payload_bytes, digest) + key
 
 
 def encode(key: bytes, payload: Sequence[Any], digest: bytes) -> bytes:

@@ -9,13 +9,22 @@ payload lies (no join) and read with one copy into where it goes.
   key, rows)``, ``rows`` the writable buffers the payload fills in order. Per item:
   ``True`` (the payload passed every check of ``format.check_head`` and the CRC32C and is
   now in ``rows``), ``None`` (no such key), a ``CorruptValue`` (a value of another
-  length, header, key, namespace or CRC), or a ``ServerError``. A value is checked where
-  the stream received it (its buffer) and copied into ``rows`` only once it passed: bytes
-  of a value that failed a check never reach them (one copy, as redis-benchmark's reader
-  makes one too).
+  length, header, key, namespace or CRC), or a ``ServerError``.
+
+  Where the stream scatters (a plain socket), the replies are planned before they come:
+  each expected as ``$<value length>`` with its header and key in a small scratch buffer
+  and its payload received by the kernel straight into ``rows`` (no copy in Python), then
+  checked there (header, key, namespace digest as soon as they are in; CRC32C once the
+  payload is). The first reply that is not what was planned (a null, an error, a value of
+  another length) ends the plan: the bytes after it are handed back to the stream and the
+  rest of the batch is read as below. A value of the expected length that fails a check
+  has been received into its rows: they hold garbage, the item is not ``True``, and the
+  caller must fail the load (the rows of a failed load are unspecified; nothing makes them
+  loadable). On a TLS socket each value is read into the stream's buffer, checked there and
+  copied into ``rows`` only once it passed.
 
 Socket errors, timeouts and protocol errors raise (the caller drops the connection); the
-rows of items not answered ``True`` are left as they were.
+rows of items not answered ``True`` hold unspecified bytes.
 """
 
 from __future__ import annotations
@@ -25,8 +34,8 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from kvoffload.tiers.redis.format import HEADER_BYTES, CorruptValue, check_head
-from kvoffload.tiers.redis.resp import RespStream, ServerError, bulk_head, command
+from kvoffload.tiers.redis.format import CRC_AT, HEADER_BYTES, CorruptValue, check_head, head_template
+from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, bulk_head, command
 
 _SET = b"$3\r\nSET\r\n"
 _NX = b"\r\n$2\r\nNX\r\n"
@@ -54,7 +63,107 @@ def get_into(
     stream: RespStream, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
 ) -> list[Any]:
     stream.send([b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name, _, _ in items)])
-    return [_one(stream, key, rows, digest) for _, key, rows in items]
+    if not stream.scatters or not items:
+        return [_one(stream, key, rows, digest) for _, key, rows in items]
+    results = _Planned(items, digest).receive(stream)
+    return results + [_one(stream, key, rows, digest) for _, key, rows in items[len(results) :]]
+
+
+class _Planned:
+    """A batch of ``GET`` replies received where they go: per item a scratch region for
+    what precedes the payload (the previous reply's CRLF, ``$<length>\\r\\n``, header and
+    key), then its rows; a last region for the final CRLF. A region's expected bytes are
+    known but for the header's CRC field, so one comparison each side of it checks the
+    framing, header, key and namespace digest of a good value at once."""
+
+    def __init__(self, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes) -> None:
+        self.items, self.digest = items, digest
+        pieces: list[memoryview] = []
+        marks: list[
+            tuple[int, memoryview, bytes, int, int, int]
+        ] = []  # start, region, expected, lead, head end, end
+        at, lead_format = 0, b"$%d\r\n"
+        for _, key, rows in items:
+            payload = sum([row.nbytes for row in rows])
+            lead = lead_format % (HEADER_BYTES + len(key) + payload)
+            lead_format = b"\r\n$%d\r\n"  # after the first: the previous value's CRLF first
+            expected = lead + head_template(key, payload, digest)
+            region = memoryview(bytearray(len(expected)))
+            pieces.append(region)
+            pieces += [
+                row if row.format == "B" and row.ndim == 1 else row.cast("B") for row in rows if row.nbytes
+            ]
+            head_end = at + len(expected)
+            marks.append((at, region, expected, len(lead), head_end, head_end + payload))
+            at = head_end + payload
+        self.tail = memoryview(bytearray(2))
+        pieces.append(self.tail)
+        self.pieces, self.marks, self.total = pieces, marks, at + 2
+        self.results: list[Any] = []
+        self.recorded: int | CorruptValue | None = (
+            None  # the current item's header: its CRC, or why it is bad
+        )
+
+    def receive(self, stream: RespStream) -> list[Any]:
+        """The results of the items before the first reply that was not as planned (all of
+        them if none); the stream is left at that reply."""
+        stream.scatter(self.pieces, self.watch)
+        return self.results
+
+    def watch(self, n: int) -> int | None:
+        results, marks = self.results, self.marks
+        i = len(results)
+        while i < len(marks):
+            start, region, expected, lead, head_end, end = marks[i]
+            recorded = self.recorded
+            if recorded is None:
+                if n < head_end:  # the lead so far must be as planned, or the plan ends
+                    return self._surprise(i, min(n - start, lead))
+                crc_at = lead + CRC_AT
+                if region[:crc_at] == expected[:crc_at] and region[crc_at + 4 :] == expected[crc_at + 4 :]:
+                    recorded = int.from_bytes(region[crc_at : crc_at + 4], "big")
+                else:
+                    stop = self._surprise(i, lead)
+                    if stop is not None:
+                        return stop
+                    recorded = self._bad_head(i)
+                self.recorded = recorded
+            if n < end:
+                return None
+            self.recorded = None
+            if isinstance(recorded, int):
+                _, key, rows = self.items[i]
+                crc = _crc32c.crc32c(key)
+                for row in rows:
+                    crc = _crc32c.crc32c(row, crc)
+                results.append(True if crc == recorded else CorruptValue("CRC32C mismatch"))
+            else:
+                results.append(recorded)
+            i += 1
+        if n == self.total and self.tail != b"\r\n":
+            raise ProtocolError("a bulk string not followed by CRLF")
+        return None
+
+    def _surprise(self, i: int, got: int) -> int | None:
+        """Where the plan ends if the first ``got`` bytes of item ``i``'s lead are not the
+        ones planned (a ``ProtocolError`` if the previous value's CRLF is not); else ``None``."""
+        start, region, expected = self.marks[i][:3]
+        crlf = min(got, 2 if i else 0)  # the previous value's end
+        if region[:crlf] != expected[:crlf]:
+            raise ProtocolError("a bulk string not followed by CRLF")
+        if region[crlf:got] != expected[crlf:got]:
+            return start + crlf  # another reply: the rest is read reply by reply
+        return None
+
+    def _bad_head(self, i: int) -> CorruptValue:
+        """Why item ``i``'s head (a value of the expected length) differs from the plan."""
+        _, region, _, lead, head_end, end = self.marks[i]
+        _, key, _ = self.items[i]
+        try:
+            check_head(region[lead:], key, self.digest, end - head_end, region.nbytes - lead + end - head_end)
+        except CorruptValue as exc:
+            return exc
+        return CorruptValue("bad header")  # not reached: check_head checks every field but the CRC
 
 
 def _one(stream: RespStream, key: bytes, rows: Sequence[memoryview], digest: bytes) -> Any:

@@ -15,6 +15,12 @@ retries. Every socket call is bounded by the socket's own timeout.
   its bytes in the receive buffer, valid until the next call; otherwise its length (``-1``
   for a null; a bulk string of another length is skipped, never held whole) or its
   ``ServerError``. ``bulk_length()``, ``take(n)`` and ``skip(n)`` are its pieces.
+* ``scatter(pieces, watch)``: the next bytes of the stream received straight into the
+  caller's buffers, in order (``recvmsg_into``: the kernel writes them there, no copy in
+  Python), with ``watch`` told how far they got after each arrival; ``watch`` stops it
+  where the bytes stop being what the caller planned for, and the bytes from there on are
+  handed back to the stream as unread (see the method). ``scatters`` says whether the
+  socket can (a TLS socket cannot: the caller reads replies as above).
 
 Replies are read into a receive buffer of the calling thread (reused from batch to batch,
 grown to four times the largest value taken), as many bytes per call as have arrived: a
@@ -31,7 +37,7 @@ from __future__ import annotations
 import os
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _CRLF = b"\r\n"
@@ -76,6 +82,7 @@ class RespStream:
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._vectored = not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg")
+        self.scatters = self._vectored and hasattr(sock, "recvmsg_into")
         buffer = getattr(_local, "buffer", None)  # one per thread, reused: no allocation per batch
         if buffer is None:
             buffer = _local.buffer = bytearray(_BUFFER)
@@ -248,3 +255,78 @@ class RespStream:
             n = min(nbytes, self._end - self._start)
             self._start += n
             nbytes -= n
+
+    # -- receiving into the caller's buffers ------------------------------------------------
+
+    def scatter(self, pieces: Sequence[memoryview], watch: Callable[[int], int | None]) -> int | None:
+        """Fill ``pieces`` (writable byte views, in order) with the stream's next bytes.
+
+        After each arrival ``watch(n)`` is called with ``n``, the bytes placed so far; it
+        returns ``None`` to go on, or an offset ``d <= n`` where the bytes stopped being
+        what the caller planned (a reply of another kind or length): then nothing more is
+        received, the bytes from ``d`` to ``n`` are handed back to the stream as unread
+        (the next ``reply``/``bulk`` reads them first) and ``d`` is returned. The pieces
+        that held them keep a copy: the caller treats their content as unspecified.
+        Returns ``None`` once every piece is full (and ``watch`` saw it). Bytes the
+        stream had already buffered are placed first."""
+        total = sum([piece.nbytes for piece in pieces])
+        n = self._place(pieces, total)
+        k, offset = _locate(pieces, n)
+        recvmsg_into = self._sock.recvmsg_into
+        while True:
+            if n:
+                stop = watch(n)
+                if stop is not None:
+                    self._give_back(pieces, stop, n)
+                    return stop
+            if n == total:
+                return None
+            iov = [pieces[k][offset:], *pieces[k + 1 : k + _IOV]]
+            got = recvmsg_into(iov)[0]
+            if got == 0:
+                raise ConnectionError("the server closed the connection")
+            n += got
+            got += offset
+            while k < len(pieces) and got >= pieces[k].nbytes:
+                got -= pieces[k].nbytes
+                k += 1
+            offset = got
+
+    def _place(self, pieces: Sequence[memoryview], total: int) -> int:
+        """Copy the buffered unread bytes (at most ``total``) into ``pieces``; how many."""
+        n = min(total, self._end - self._start)
+        at = 0
+        for piece in pieces:
+            if at >= n:
+                break
+            m = min(piece.nbytes, n - at)
+            piece[:m] = self._view[self._start + at : self._start + at + m]
+            at += m
+        self._start += n
+        return n
+
+    def _give_back(self, pieces: Sequence[memoryview], start: int, end: int) -> None:
+        """Make bytes ``start:end`` of ``pieces`` the stream's next unread bytes (before any
+        it still buffers)."""
+        parts, at = [], 0
+        for piece in pieces:
+            lo, hi = max(start, at), min(end, at + piece.nbytes)
+            if lo < hi:
+                parts.append(piece[lo - at : hi - at])
+            at += piece.nbytes
+        parts.append(self._view[self._start : self._end])
+        data = b"".join(parts)
+        if len(data) > len(self._buf):
+            self._buf = _local.buffer = bytearray(max(len(data), 2 * len(self._buf)))
+            self._view = memoryview(self._buf)
+        self._view[: len(data)] = data
+        self._start, self._end = 0, len(data)
+
+
+def _locate(pieces: Sequence[memoryview], n: int) -> tuple[int, int]:
+    """The piece that byte ``n`` falls in, and its offset there."""
+    k = 0
+    while k < len(pieces) and n >= pieces[k].nbytes:
+        n -= pieces[k].nbytes
+        k += 1
+    return k, n

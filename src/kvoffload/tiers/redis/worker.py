@@ -10,9 +10,11 @@ It is the ``kvoffload.worker.OffloadingWorker`` of routes ``CPU -> REMOTE`` (a s
   it is (counted in ``already_present``). The payload is sent from the host rows
   themselves (``pipelines.set_nx``), not joined into a value first.
 * load: ``submit(job_id, RemoteLoadStoreSpec(keys), CPULoadStoreSpec(host_ids))`` reads
-  the values in one pipeline of ``GET`` (``pipelines.get_into``): each is checked as it
-  arrives and copied into its host block's rows once it passed. Where redis-py's
-  connection offers no socket, both go through redis-py's commands (copies more each).
+  the values in one pipeline of ``GET`` (``pipelines.get_into``): on a plain socket each
+  payload is received straight into its host block's rows and checked there (header, key
+  and namespace digest first, CRC32C once it is in); on TLS each value is checked in a
+  receive buffer and copied into the rows once it passed. Where redis-py's connection
+  offers no socket, both go through redis-py's commands (copies more each).
 
 Contract, beyond ``kvoffload.worker``:
 
@@ -20,10 +22,11 @@ Contract, beyond ``kvoffload.worker``:
   ``ValueError`` naming the bad value: counts that differ, a host id out of range, a job
   id in flight; ``RuntimeError`` after ``close``) and never touches the network.
 * Jobs run on ``io_threads`` threads, concurrently; a job succeeds or fails as a whole.
-  A failed load leaves its host rows unspecified. A value that is missing (evicted or
-  expired since the lookup) fails the load; a value whose header, key, namespace digest
-  or CRC does not match fails it too, is deleted from the server (``UNLINK``) and is
-  counted in ``corrupt_values``: it never reaches the engine.
+  A failed load leaves its host rows unspecified (they may hold a bad value's bytes: the
+  rows of a load are reserved, not loadable, and a failed load never makes them so). A
+  value that is missing (evicted or expired since the lookup) fails the load; a value
+  whose header, key, namespace digest or CRC does not match fails it too, is deleted from
+  the server (``UNLINK``) and is counted in ``corrupt_values``: it never reaches the engine.
 * Every call is bounded by the client's timeouts and goes through ``NodeCalls``: one
   pipeline per node, a circuit breaker per node that fails a job's keys of a down node at
   once (``stores_dropped``, ``loads_failed``) and lets a call through now and then to
