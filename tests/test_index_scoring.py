@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvoffload.index import DEVICE, DISK, HOST, SHARED, BlockIndex, TierWeights, tier_of
+from kvoffload.index.scoring import GroupMasks, prefix_levels
 from kvoffload.keys import BlockHasher, external_hash
 
 MODEL, TENANT, BS = "m", "default", 16
@@ -243,3 +247,51 @@ def test_negative_i64_query_hashes_are_read_as_twos_complement(index: BlockIndex
     e = index.add_engine(MODEL, TENANT, "e", 0, BS)
     index.apply(e, [stored([2**64 - 1, 2**63])])
     assert levels(index, [-1, -(2**63)])[("e", 0)] == (2, 2, 2, 2)
+
+
+def _model_levels(nibbles: list[int]) -> tuple[int, int, int, int]:
+    """The contract's prefix lengths of one engine, block by block: its device run, then
+    per level the run after it of blocks in some tier from the host up to that level."""
+    n = len(nibbles)
+    device = next((i for i, t in enumerate(nibbles) if not t & 1), n)
+    out = [device]
+    for level in (1, 2, 3):
+        tiers = (1 << (level + 1)) - 2  # host .. level
+        end = device
+        while end < n and nibbles[end] & tiers:
+            end += 1
+        out.append(end)
+    return (out[0], out[1], out[2], out[3])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 40),
+    engines=st.integers(1, 20),
+    groups=st.integers(1, 2),
+    held=st.sampled_from([0.5, 0.9, 1.0]),
+)
+def test_prefix_levels_agree_with_a_block_by_block_model(seed, n, engines, groups, held) -> None:
+    """Full-attention groups, engines over one or two mask words, prompts whose tail no
+    engine holds (scoring stops there) or that are held to the end."""
+    rng = np.random.default_rng(seed)
+    nobody_from = int(rng.integers(0, n + 1)) if held < 1.0 else n
+    per_group = []
+    for _ in range(groups):
+        nibbles = (rng.random((engines, n, 4)) < held) @ np.array([1, 2, 4, 8])
+        nibbles[:, nobody_from:] = 0
+        per_group.append(nibbles.tolist())
+    group_masks = []
+    for nibbles in per_group:
+        words = [np.zeros(n, dtype=np.uint64) for _ in range((engines + 15) // 16)]
+        for e, row in enumerate(nibbles):
+            words[e // 16] |= np.array(row, dtype=np.uint64) << np.uint64(4 * (e % 16))
+        group_masks.append(GroupMasks(words))
+    got = prefix_levels(group_masks, list(range(engines)), n)
+    for e in range(engines):
+        per_level = [_model_levels(nibbles[e]) for nibbles in per_group]
+        bound = [min(levels[k] for levels in per_level) for k in range(4)]
+        for k in (1, 2, 3):
+            bound[k] = max(bound[k], bound[k - 1])
+        assert got[e] == tuple(bound), (e, per_group)

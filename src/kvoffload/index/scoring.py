@@ -62,7 +62,13 @@ def prefix_levels(groups: Sequence[GroupMasks], slots: Sequence[int], n: int) ->
         if not any(len(w) and w[0] for w in group.words):
             return dict.fromkeys(slots, ZERO)  # nobody holds the first block
         for word in words:
-            lengths = _run_lengths(_cumulative_levels(_word_array(group, word, n)), n)
+            arr = _word_array(group, word, n)
+            # No engine of this word holds block ``stop``: all their prefixes end there, so
+            # the blocks after it are not scored (a prompt's new suffix costs nothing).
+            stop = int((arr == 0).argmax()) if len(arr) else 0
+            if stop < len(arr) and arr[stop]:
+                stop = len(arr)  # held throughout (argmax found no zero)
+            lengths = _run_lengths(_cumulative_levels(arr[:stop]), stop)
             for slot in slots:
                 if slot // ENGINES_PER_WORD == word:
                     bound = bounds[slot]
@@ -163,16 +169,21 @@ def _run_lengths(cums: np.ndarray, n: int) -> list[list[int]]:
     A running AND only loses bits, so each engine's length is where its bit drops: only
     the few positions where a level's value changes are looked at."""
     lengths = [[n, n, n, n] for _ in range(ENGINES_PER_WORD)]
-    first = cums[:, 0]
-    for level in range(4):
-        dropped = int(~first[level] & _ONES)  # never set: length 0
+    if not n:
+        return lengths
+    for level, dropped in enumerate((~cums[:, 0] & _ONES).tolist()):  # never set: length 0
         while dropped:
             low = dropped & -dropped
             lengths[(low.bit_length() - 1) // BITS_PER_ENGINE][level] = 0
             dropped ^= low
-    levels, places = np.nonzero(cums[:, 1:] != cums[:, :-1])
-    drops = (cums[levels, places] & ~cums[levels, places + 1]).tolist()
-    for level, i, dropped in zip(levels.tolist(), places.tolist(), drops):
+    # The levels' rows end to end, compared in one 1-D pass (half the cost of a 2-D one).
+    flat = cums.reshape(-1)
+    at = np.flatnonzero(flat[1:] != flat[:-1])
+    drops = (flat[at] & ~flat[at + 1]).tolist()
+    for place, dropped in zip(at.tolist(), drops):
+        level, i = divmod(place, n)
+        if i == n - 1:
+            continue  # a row's last value against the next row's first: no drop
         while dropped:
             low = dropped & -dropped
             lengths[(low.bit_length() - 1) // BITS_PER_ENGINE][level] = i + 1

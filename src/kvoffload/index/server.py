@@ -74,6 +74,7 @@ logger = logging.getLogger(__name__)
 
 _SERVICE = web.AppKey("service", IndexService)
 _METRICS = web.AppKey("metrics", IndexMetrics)
+_TIMERS = web.AppKey("timers", dict)  # endpoint -> its latency histogram, labelled once
 _JSON = "application/json"
 _encode = msgspec.json.Encoder().encode
 
@@ -255,7 +256,7 @@ async def _query(request: web.Request) -> web.Response:
         None, index.query_tokens, req.model_(), req.tenant_id, req.token_ids, req.lora_name, req.cache_salt
     )
     response = _json(score_response(result))
-    request.app[_METRICS].query_seconds.labels("query").observe(time.perf_counter() - started)
+    request.app[_TIMERS]["query"].observe(time.perf_counter() - started)
     return response
 
 
@@ -266,7 +267,7 @@ async def _query_by_hash(request: web.Request) -> web.Response:
         req.model_(), req.tenant_id, req.block_hashes, req.lora_name
     )
     response = _json(score_response(result))
-    request.app[_METRICS].query_seconds.labels("query_by_hash").observe(time.perf_counter() - started)
+    request.app[_TIMERS]["query_by_hash"].observe(time.perf_counter() - started)
     return response
 
 
@@ -287,7 +288,8 @@ async def _health(request: web.Request) -> web.Response:
 def create_app(service: IndexService, metrics: IndexMetrics | None = None) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[_SERVICE] = service
-    app[_METRICS] = metrics or IndexMetrics(service)
+    app[_METRICS] = metrics = metrics or IndexMetrics(service)
+    app[_TIMERS] = {name: metrics.query_seconds.labels(name) for name in ("query", "query_by_hash")}
     router, wrap = app.router, _answering_errors
     router.add_post("/register", wrap(_register))
     router.add_post("/unregister", wrap(_unregister))
