@@ -138,6 +138,7 @@ def test_the_c_and_python_writers_build_the_same_index():
         assert (getattr(c, name) == getattr(py, name)).all(), name
     rows = [bytes(c._keys[s * 10 : s * 10 + len(key)]) for s, key in used.items()]
     assert rows == list(used.values()) == [py.key_of(s) for s in used]
+    assert c.keys_of(list(used)) == py.keys_of(list(used)) == list(used.values())
     for slot, key in used.items():
         assert c.find(key) == py.find(key) == slot
     slot = next(iter(used))

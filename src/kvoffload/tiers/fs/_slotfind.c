@@ -15,6 +15,7 @@
  *                                      slots not in use: the caller's contract, as in Python)
  *   remove(slots) -> None              SlotIndex.remove of each slot (KeyError for one not in
  *                                      use; the slots before it are removed)
+ *   keys_of(slots) -> keys             the key (bytes) held by each slot
  *
  * Links(prev, next) holds views of the two int32 arrays of a doubly linked list over slots
  * (kvoffload.tiers.fs.order.SlotLRU; the sentinel is the last index):
@@ -22,6 +23,10 @@
  *   move_to_end(finder, keys) -> absent   walks keys in reverse and moves each present one
  *                                         to the most recent end (before the sentinel); the
  *                                         absent keys come back in the order given
+ *   evict(state, n, protected) -> slots   the n least recent slots whose state (an int32
+ *                                         array indexed by slot) is 0 and that are not in
+ *                                         ``protected`` (a set of slots), unlinked; None,
+ *                                         changing nothing, when fewer than n exist
  *
  * Why C: the scheduler thread asks the disk tier about every key it looks up or touches.
  * The same probe walked in Python costs several hundred nanoseconds a key (int objects
@@ -292,6 +297,36 @@ static PyObject *finder_remove(Finder *f, PyObject *slots_obj) {
     Py_RETURN_NONE;
 }
 
+static PyObject *finder_keys_of(Finder *f, PyObject *slots_obj) {
+    if (!f->held) {
+        PyErr_SetString(PyExc_ValueError, "Finder was not initialised");
+        return NULL;
+    }
+    PyObject *slots = PySequence_Fast(slots_obj, "keys_of takes a sequence of slots");
+    if (slots == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
+    PyObject **s = PySequence_Fast_ITEMS(slots);
+    PyObject *keys = PyList_New(n);
+    if (keys == NULL) goto fail;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t slot = PyNumber_AsSsize_t(s[j], PyExc_OverflowError);
+        if (slot == -1 && PyErr_Occurred()) goto fail;
+        if (slot < 0 || slot >= f->slots) {
+            PyErr_Format(PyExc_ValueError, "slot must be 0..%zd, got %zd", f->slots - 1, slot);
+            goto fail;
+        }
+        PyObject *key = PyBytes_FromStringAndSize((const char *)f->kb + slot * f->width, f->ln[slot]);
+        if (key == NULL) goto fail;
+        PyList_SET_ITEM(keys, j, key);
+    }
+    Py_DECREF(slots);
+    return keys;
+fail:
+    Py_XDECREF(keys);
+    Py_DECREF(slots);
+    return NULL;
+}
+
 static PyObject *finder_find(Finder *f, PyObject *key) {
     Py_ssize_t slot = find_one(f, key);
     if (slot == -2) return NULL;
@@ -333,6 +368,7 @@ static PyMethodDef finder_methods[] = {
     {"insert", (PyCFunction)(void (*)(void))finder_insert, METH_FASTCALL,
      "insert(keys, slots): each key (not present) into its slot (not in use)."},
     {"remove", (PyCFunction)finder_remove, METH_O, "remove(slots): each slot (in use) out of the index."},
+    {"keys_of", (PyCFunction)finder_keys_of, METH_O, "keys_of(slots) -> the key held by each slot."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -431,7 +467,63 @@ fail:
     return NULL;
 }
 
+static PyObject *links_evict(Links *l, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "evict takes 3 arguments (state, n, protected), got %zd", nargs);
+        return NULL;
+    }
+    if (!l->held) {
+        PyErr_SetString(PyExc_ValueError, "Links was not initialised");
+        return NULL;
+    }
+    Py_buffer state;
+    if (PyObject_GetBuffer(args[0], &state, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *victims = NULL;
+    if (state.len != l->sentinel * 4) {
+        PyErr_Format(PyExc_ValueError, "state must be an int32 array of %zd slots", l->sentinel);
+        goto done;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred()) goto done;
+    PyObject *protected = args[2];
+    const int32_t *st = (const int32_t *)state.buf;
+    int32_t *pv = l->pv, *nx = l->nx, s = (int32_t)l->sentinel;
+    victims = PyList_New(0);
+    if (victims == NULL || n <= 0) goto done;
+    for (int32_t slot = nx[s]; slot != s; slot = nx[slot]) {
+        if (st[slot] != 0) continue;
+        PyObject *value = PyLong_FromLong(slot);
+        if (value == NULL) goto fail;
+        int taken = PySequence_Contains(protected, value);
+        if (taken < 0 || (!taken && PyList_Append(victims, value) < 0)) {
+            Py_DECREF(value);
+            goto fail;
+        }
+        Py_DECREF(value);
+        if (PyList_GET_SIZE(victims) == n) break;
+    }
+    if (PyList_GET_SIZE(victims) < n) {
+        Py_DECREF(victims);
+        victims = Py_NewRef(Py_None);
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int32_t x = (int32_t)PyLong_AsLong(PyList_GET_ITEM(victims, k));
+        int32_t p = pv[x], q = nx[x];
+        nx[p] = q;
+        pv[q] = p;
+    }
+    goto done;
+fail:
+    Py_CLEAR(victims);
+done:
+    PyBuffer_Release(&state);
+    return victims;
+}
+
 static PyMethodDef links_methods[] = {
+    {"evict", (PyCFunction)(void (*)(void))links_evict, METH_FASTCALL,
+     "evict(state, n, protected) -> the slots of n idle blocks, least recent first, unlinked; or None."},
     {"move_to_end", (PyCFunction)(void (*)(void))links_move_to_end, METH_FASTCALL,
      "move_to_end(finder, keys) -> absent keys: the present ones, walked in reverse, to the end."},
     {NULL, NULL, 0, NULL},

@@ -23,7 +23,8 @@ are Python (``insert_many`` vectorised with numpy); both build the same arrays.
 Contract: ``find(key)`` -> slot or -1 (compares the full key, never a hash alone);
 ``split(keys)`` -> (slots of the present keys, absent keys), each in the order given;
 ``insert(key, slot)`` (and ``insert_many``) for a key not present and a slot not in use;
-``remove(slot)`` (and ``remove_many``) for a slot in use; ``key_of(slot)``. Hashes come
+``remove(slot)`` (and ``remove_many``) for a slot in use; ``key_of(slot)`` (and
+``keys_of``). Hashes come
 from Python's ``hash`` of the key (cached on bytes objects; C's ``PyObject_Hash`` is the
 same value): process-local, which is fine for an index rebuilt in every process.
 Single-threaded, like the manager that owns it.
@@ -142,6 +143,12 @@ class SlotIndex:
         if not isinstance(key, bytes) or not 0 < len(key) <= self.max_key_bytes:
             raise ValueError(f"a key must be 1..{self.max_key_bytes} bytes, got {key!r}")
         return key
+
+    def keys_of(self, slots: Sequence[int]) -> list[bytes]:
+        """``key_of`` of every slot (one C call where built)."""
+        if self.finder is not None:
+            return self.finder.keys_of(slots)
+        return [self.key_of(slot) for slot in slots]
 
     def check_keys(self, keys: Sequence[object]) -> None:
         """``check_key`` of every key (C loops where all are ``bytes``)."""

@@ -269,8 +269,7 @@ class FSOffloadingManager(OffloadingManager):
             victims = order.evict(shortfall, set(keys), set(present))
             if victims is None:
                 return None
-            key_of = index.key_of
-            evicted = [OffloadKey(key_of(slot)) for slot in victims]
+            evicted = index.keys_of(victims)  # OffloadKey is bytes
             index.remove_many(victims)
             for slot in victims:
                 state[slot] = _FREE

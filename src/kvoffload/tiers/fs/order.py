@@ -10,9 +10,9 @@ order is kept depends on what it resolves to:
   finished request is re-ranked deepest least recent; eviction takes the least recent
   idle blocks) kept as a doubly linked list in two ``int32`` arrays indexed by slot: 8
   bytes per block, no Python object per block. A test runs both side by side. Where the
-  index probes in C (``SlotIndex.native``), a touch or a re-ranking is one C call too
-  (``_slotfind.Links``: probe and move every key), so a touch that misses the tier costs
-  what ``LRUPolicy``'s own steps cost.
+  index probes in C (``SlotIndex.native``), a touch, a re-ranking or an eviction is one C
+  call too (``_slotfind.Links``: probe and move every key; walk to the idle ones), so a
+  touch that misses the tier costs what ``LRUPolicy``'s own steps cost.
 * ``PolicyOrder`` (any other ``CachePolicy``): the policy itself, fed one small status
   object per block whose ``ref`` reads the manager's state array. It costs what the
   policy costs per key (a few hundred bytes), so it misses the 100-bytes-per-block index
@@ -49,9 +49,11 @@ class SlotLRU:
         self._next_array = np.full(num_slots + 1, num_slots, dtype=np.int32)
         self._prev = memoryview(self._prev_array)
         self._next = memoryview(self._next_array)
+        self._evict_native = None
         if index.finder is not None:
-            move = _slotfind.Links(self._prev_array, self._next_array).move_to_end
-            self._to_end = partial(move, index.finder)
+            links = _slotfind.Links(self._prev_array, self._next_array)
+            self._to_end = partial(links.move_to_end, index.finder)
+            self._evict_native = partial(links.evict, state)
         else:
             self._to_end = self._to_end_python
             self._split = index.split
@@ -140,6 +142,8 @@ class SlotLRU:
     def evict(
         self, n: int, protected_keys: Collection[OffloadKey], protected_slots: Collection[int]
     ) -> list[int] | None:
+        if self._evict_native is not None:
+            return self._evict_native(n, protected_slots)
         nxt, state, s = self._next, self._state, self._sentinel
         victims: list[int] = []
         if n <= 0:
