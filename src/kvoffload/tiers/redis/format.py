@@ -36,10 +36,20 @@ DIGEST_BYTES = 16
 _HEADER = struct.Struct(">4sHHIQ16s")
 HEADER_BYTES = _HEADER.size
 CRC_AT = 8  # the CRC32C field's offset in the header (after magic, version and key length)
+# Below this many bytes a CRC32C keeps the GIL (about 50 us at most): a thread that gives
+# the GIL up waits to take it back behind any busy Python thread (up to the interpreter's
+# switch interval, 5 ms), which costs far more than the CRC itself; above it, I/O threads
+# may checksum in parallel.
+CRC_KEEPS_GIL_BELOW = 1 << 20
 
 
 class CorruptValue(Exception):
     """A stored value that is not the expected block; the message says which check failed."""
+
+
+def crc32c(data: Any, crc: int = 0) -> int:
+    """CRC32C of ``data`` continuing ``crc``; keeps the GIL below ``CRC_KEEPS_GIL_BELOW`` bytes."""
+    return _crc32c.crc32c(data, crc, gil_release_mode=int(memoryview(data).nbytes >= CRC_KEEPS_GIL_BELOW))
 
 
 def redis_namespace(identity: Mapping[str, Any]) -> str:
@@ -86,10 +96,10 @@ def value_bytes(payload_bytes: int, key_bytes: int = 36) -> int:
 def head(key: bytes, payload: Sequence[Any], digest: bytes) -> bytes:
     """The header and key that precede ``payload`` (its buffers in order) in ``key``'s value:
     a value is ``head(...)`` followed by the payload's bytes, which need not be joined."""
-    crc = _crc32c.crc32c(key)
+    crc = crc32c(key)
     size = 0
     for part in payload:
-        crc = _crc32c.crc32c(part, crc)
+        crc = crc32c(part, crc)
         size += memoryview(part).nbytes
     return _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), crc, size, digest) + key
 
@@ -131,6 +141,6 @@ def decode(value: bytes, key: bytes, digest: bytes, payload_bytes: int) -> memor
     naming the failed check otherwise."""
     crc = check_head(value, key, digest, payload_bytes, len(value))
     view = memoryview(value)
-    if _crc32c.crc32c(view[HEADER_BYTES:]) != crc:
+    if crc32c(view[HEADER_BYTES:]) != crc:
         raise CorruptValue("CRC32C mismatch")
     return view[HEADER_BYTES + len(key) :]

@@ -32,9 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import crc32c as _crc32c
-
-from kvoffload.tiers.redis.format import CRC_AT, HEADER_BYTES, CorruptValue, check_head, head_template
+from kvoffload.tiers.redis.format import CRC_AT, HEADER_BYTES, CorruptValue, check_head, crc32c, head_template
 from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, bulk_head, command
 
 _SET = b"$3\r\nSET\r\n"
@@ -133,9 +131,9 @@ class _Planned:
             self.recorded = None
             if isinstance(recorded, int):
                 _, key, rows = self.items[i]
-                crc = _crc32c.crc32c(key)
+                crc = crc32c(key)
                 for row in rows:
-                    crc = _crc32c.crc32c(row, crc)
+                    crc = crc32c(row, crc)
                 results.append(True if crc == recorded else CorruptValue("CRC32C mismatch"))
             else:
                 results.append(recorded)
@@ -180,7 +178,7 @@ def _one(stream: RespStream, key: bytes, rows: Sequence[memoryview], digest: byt
         recorded = check_head(value, key, digest, payload, expected)
     except CorruptValue as exc:
         return exc
-    if _crc32c.crc32c(value[HEADER_BYTES:]) != recorded:
+    if crc32c(value[HEADER_BYTES:]) != recorded:
         return CorruptValue("CRC32C mismatch")
     offset = HEADER_BYTES + len(key)
     for row in rows:  # only now: bytes of a value that failed a check never reach the rows
