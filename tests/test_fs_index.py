@@ -9,7 +9,8 @@ import pytest
 
 from kvoffload.tiers.fs.index import NATIVE, SlotIndex
 
-needs_native = pytest.mark.skipif(not NATIVE, reason="kvoffload.tiers.fs._slotfind was not built")
+NOT_BUILT = "could not import kvoffload.tiers.fs._slotfind (not built: no C compiler at install)"
+needs_native = pytest.mark.skipif(not NATIVE, reason=NOT_BUILT)
 
 
 @pytest.fixture(params=[pytest.param(True, marks=needs_native, id="C"), pytest.param(False, id="Python")])
@@ -93,7 +94,7 @@ def test_a_prefix_or_an_extension_of_a_stored_key_is_absent(native):
 
 def test_the_c_probe_rejects_what_is_not_bytes():
     if not NATIVE:
-        pytest.skip("kvoffload.tiers.fs._slotfind was not built")
+        pytest.skip(NOT_BUILT)
     index = SlotIndex(4, 8, native=True)
     with pytest.raises(TypeError, match="must be bytes"):
         index.find("text")
@@ -113,7 +114,7 @@ def test_the_c_and_python_writers_build_the_same_index():
     """A process uses one or the other; both must agree with the layout the other's probe
     reads (and a rebuilt index looks the same whichever wrote it)."""
     if not NATIVE:
-        pytest.skip("kvoffload.tiers.fs._slotfind was not built")
+        pytest.skip(NOT_BUILT)
     rng = random.Random(11)
     c, py = SlotIndex(64, 10, native=True), SlotIndex(64, 10, native=False)
     used: dict[int, bytes] = {}

@@ -167,7 +167,7 @@ def test_same_behaviour_as_the_cpu_tier_under_random_operations(tmp_path, monkey
     request hooks included (reservations, re-ranking at the end of a request), with the
     index and the order probing in C and in Python."""
     if native and not index_module.NATIVE:
-        pytest.skip("kvoffload.tiers.fs._slotfind was not built")
+        pytest.skip("could not import kvoffload.tiers.fs._slotfind (not built: no C compiler at install)")
     monkeypatch.setattr(index_module, "NATIVE", native)
     rng = random.Random(7)
     running: list[RequestContext] = []

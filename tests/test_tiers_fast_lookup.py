@@ -26,7 +26,7 @@ STORED = Geometry(4096).stored_block_bytes
 @pytest.fixture(params=[True, False], ids=["C lookup", "Python lookup"])
 def native(request, monkeypatch) -> bool:
     if request.param and not index_module.NATIVE:
-        pytest.skip("kvoffload.tiers.fs._slotfind was not built")
+        pytest.skip("could not import kvoffload.tiers.fs._slotfind (not built: no C compiler at install)")
     monkeypatch.setattr(index_module, "NATIVE", request.param)
     return request.param
 

@@ -29,10 +29,11 @@ scheduler hands to the worker:
 Lookups where every secondary keeps its index in memory (the disk tier's ``probe``): a
 key that no tier holds is a ``MISS`` at once, whatever was asked for it before (a
 promotion would find nothing), and a miss of every tier is counted in every tier.
-``lookup`` is then a closure over the primary's block table and the probes: the
-scheduler looks up every key of every request, and a miss of every tier costs about what
-a CPU-only miss costs (bench/bench_scheduler.py). It counts its answers itself and hands
-the counts to the tiers once per step (``take_transfers``) and in ``stats``/``tier_stats``.
+``lookup`` is then one C call over the primary's block table and the disk index
+(``kvoffload.tiers.fs._slotfind.TieredLookup``; a closure without the extension): the
+scheduler looks up every key of every request, and a miss of every tier costs no more than
+a CPU-only miss (bench/bench_scheduler.py). It counts its answers itself and hands the
+counts to the tiers once per step (``take_transfers``) and in ``stats``/``tier_stats``.
 
 Everything here is bookkeeping on the scheduler thread: no I/O, no waiting. Events of
 every tier are passed on with their own medium. ``reset`` drops every tier.
@@ -117,8 +118,12 @@ class TieredOffloadingManager(OffloadingManager):
         # that found it there reports that tier as its source (metrics only)
         self._promoted_from: dict[OffloadKey, int] = {}
         # Every secondary's ``probe`` (an in-memory index says at once whether the tier
-        # holds a key), or None where one tier has none (a remote tier must ask).
-        probes = tuple(getattr(tier, "probe", None) for tier in self.secondaries)
+        # holds a key; ``count_lookups`` takes what was answered from it), or None where
+        # one tier has none (a remote tier must ask).
+        probes = tuple(
+            getattr(tier, "probe", None) if hasattr(tier, "count_lookups") else None
+            for tier in self.secondaries
+        )
         self._probes: tuple[Callable[[OffloadKey], int], ...] | None = None if None in probes else probes
         self._take_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
         fast = self._fast_lookup()
