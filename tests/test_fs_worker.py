@@ -14,6 +14,7 @@ import torch
 from kvoffload.keys import make_offload_key
 from kvoffload.manager import LookupResult, OffloadingEvent
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec, DiskLoadStoreSpec
+from kvoffload.tiers.fs import index as index_module
 from kvoffload.tiers.fs.block_io import BlockFiles
 from kvoffload.tiers.fs.format import DATA_FILE, HEADER_FILE, RECORD_BYTES, Geometry
 from kvoffload.tiers.fs.manager import FSOffloadingManager
@@ -259,7 +260,11 @@ def test_free_space_floor_declines_stores_and_counts_them(tmp_path):
         FSWorker(pool, tmp_path, "x", 1 << 20, store_threads=0)
 
 
-def test_restart_rebuilds_the_index_serves_intact_blocks_and_drops_torn_ones(tmp_path):
+@pytest.mark.parametrize("native", [True, False], ids=["C index", "Python index"])
+def test_restart_rebuilds_the_index_serves_intact_blocks_and_drops_torn_ones(tmp_path, monkeypatch, native):
+    if native and not index_module.NATIVE:
+        pytest.skip("could not import kvoffload.tiers.fs._slotfind (not built: no C compiler at install)")
+    monkeypatch.setattr(index_module, "NATIVE", native)
     pool = make_pool()
     tier = Tier(tmp_path, pool)
     keys = [k(i) for i in range(10)]
@@ -283,6 +288,7 @@ def test_restart_rebuilds_the_index_serves_intact_blocks_and_drops_torn_ones(tmp
         randomize(t, gen)
     again = Tier(tmp_path, pool, blocks=10)
     m = again.manager
+    assert m._index.native is native
     events = m.take_events()
     survivors = [key for i, key in enumerate(keys) if i not in (2, 4, 9)]
     assert len(events) == 1 and not events[0].removed and sorted(events[0].keys) == sorted(survivors)
