@@ -1,7 +1,7 @@
 """The shared Redis tier: pipelined store and load throughput against ``redis-benchmark``
 on the same server, and the scheduler-thread cost of a lookup with the server up and down.
 
-Run: .venv/bin/python bench/bench_redis.py [--mib 256] [--sizes 65536,262144,2097152]
+Run: .venv/bin/python bench/bench_redis.py [--mib 256] [--sizes 65536,262144,2097152] [--cpu]
 
 One ``redis-server`` (started here on a free loopback port, no persistence, stopped by its
 PID) serves every measurement of one run:
@@ -12,6 +12,12 @@ PID) serves every measurement of one run:
   flight, against ``redis-benchmark -t set,get -P depth -c threads -d size`` (raw
   ``SET``/``GET`` of the same value size and pipeline depth, no checksum, no copy) run
   against the same server in the same run. Target: >= 0.8x.
+* **Client CPU per MiB loaded** (``--cpu``): ``RedisWorker``'s load path run on the
+  calling thread (``time.thread_time``: the thread's user and system time, so the kernel's
+  receive copy counts) against ``redis-benchmark -t get``'s client (``getrusage`` of the
+  child), same value size and depth, one key read again and again for it: what each
+  client spends per byte, which the machine's other load changes far less than it changes
+  throughput.
 * **Lookup cost on the scheduler thread**: ``RedisOffloadingManager.lookup`` of keys not
   in its index (the probe is queued to the background thread: ``RETRY``), of keys in its
   index (``HIT``), and with the server killed (``MISS`` at once), against the CPU tier's
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -125,6 +132,39 @@ def worker_throughput(
     return rates
 
 
+def client_cpu(port: int, size: int, depth: int, total: int, reps: int) -> tuple[list[float], list[float]]:
+    """Client CPU ms per MiB of loads: ``RedisWorker``'s load path on this thread, and
+    ``redis-benchmark``'s GET client, ``reps`` alternating runs each."""
+    blocks = 64
+    pool = make_pool(size, blocks)
+    settings = ServerSettings(f"redis://127.0.0.1:{port}/0", timeout=30.0)
+    worker = RedisWorker(
+        pool, NodeCalls(lambda: connect(settings), "bench"), KeyNames("bench", f"size{size}")
+    )
+    keys = [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(total)]
+    for j in range(0, total, depth):  # the values to load
+        worker._store([(j + i) % blocks for i in range(depth)], keys[j : j + depth])
+    connect(settings).set("key:__rand_int__", bytes(value_bytes(size)))  # redis-benchmark's GET key
+    mib = total * size / 2**20
+    ours, theirs = [], []
+    for _ in range(reps):
+        start = time.thread_time()
+        for j in range(0, total, depth):
+            worker._load([(j + i) % blocks for i in range(depth)], keys[j : j + depth])
+        ours.append((time.thread_time() - start) / mib * 1e3)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(
+            [shutil.which("redis-benchmark"), "-h", "127.0.0.1", "-p", str(port), "-t", "get",
+             "-P", str(depth), "-c", "1", "-d", str(value_bytes(size)), "-n", str(total), "--csv"],
+            capture_output=True, check=True, timeout=600,
+        )  # fmt: skip
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        theirs.append(used / mib * 1e3)
+    worker.close()
+    return ours, theirs
+
+
 def lookup_costs(port: int, proc: subprocess.Popen, n: int = 20000) -> dict[str, float]:
     settings = ServerSettings(f"redis://127.0.0.1:{port}/0", connect_timeout=0.5, timeout=1.0)
     names = KeyNames("bench", "lookups")
@@ -164,6 +204,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=16, help="blocks per job = pipeline depth")
     parser.add_argument("--threads", type=int, default=1, help="worker I/O threads = redis-benchmark clients")
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions per size")
+    parser.add_argument(
+        "--cpu", action="store_true", help="also: client CPU per MiB loaded, ours and redis-benchmark's"
+    )
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="kvo-bench-redis-")
     port = free_port()
@@ -190,6 +233,19 @@ def main() -> None:
                 theirs_gbs = "/".join(f"{t[direction] / 1e9:.2f}" for _, t in runs)
                 median = ratios[len(ratios) // 2]
                 print(f"| {size >> 10} KiB | {label} | {theirs_gbs} | {ours_gbs} | {median:.2f} |")
+        if args.cpu:
+            print()
+            print("| block | RedisWorker load, client CPU ms/MiB | redis-benchmark GET, client CPU ms/MiB "
+                  "| ratio theirs/ours |")  # fmt: skip
+            print("|---|---:|---:|---:|")
+            for size in map(int, args.sizes.split(",")):
+                client.flushall()
+                total = max(args.depth, (args.mib << 20) // size) // args.depth * args.depth
+                ours, theirs = client_cpu(port, size, args.depth, total, args.reps)
+                ratio = sorted(theirs)[len(theirs) // 2] / sorted(ours)[len(ours) // 2]
+                print(f"| {size >> 10} KiB | {'/'.join(f'{x:.3f}' for x in ours)} | "
+                      f"{'/'.join(f'{x:.3f}' for x in theirs)} | {ratio:.2f} |")  # fmt: skip
+            client.flushall()
         print()
         print("| lookup on the scheduler thread | ns per lookup |")
         print("|---|---:|")
