@@ -18,19 +18,25 @@ waited out); sections still to run after ``BUDGET_S`` are skipped. Expect 2-4 mi
 2. ``ordering``: each rule checked, and the same check run on a deliberately broken
    executor, which must fail it (otherwise the check proves nothing): a store sees the
    KV written before it was submitted; a load lands after the block zeroing queued
-   before it; a job is reported only once its copies finished.
+   before it; a job is reported only once its copies finished; a staging buffer is
+   refilled only after its previous batch crossed the bus (under a slowed link).
 3. ``failure_fence``: a job fails after its copies were queued (the end event's record
    raises); how long its copies kept running after the failure was reported (~0), and
    the same without the fence.
-4. ``bandwidth``: 32 layers, 128-block jobs, pages of 4-128 KiB, consecutive and
-   scattered host ids, store and load, batched and per-row paths, against one large
-   pinned ``copy_`` of the same bytes; CPU time per job.
-5. ``cpu_while_waiting``: process CPU time over wall time while one long job is waited
+4. ``far_apart``: the one-kernel gather and scatter over two tensors 20 GiB apart (span
+   offsets past 2**31 elements), byte-exact both ways.
+5. ``bandwidth``: 32 layers, 128-block jobs, pages of 4-128 KiB, consecutive and
+   scattered host ids, store and load; the batched path (one gather kernel per batch),
+   the same with one kernel per tensor, and the per-row path, against one large pinned
+   ``copy_`` of the same bytes; CPU time per job. Each job is timed alone (submit to
+   finished: its planning and the hand-offs between threads count), and the batched path
+   also with four jobs queued back to back (throughput).
+6. ``cpu_while_waiting``: process CPU time over wall time while one long job is waited
    for (blocking events), and with spinning events (the broken variant).
-6. ``matmul_slowdown``: a matmul loop alone and with stores and loads in flight.
-7. ``pinned_region``: allocation time and size of the pool's region (pinned in parallel
+7. ``matmul_slowdown``: a matmul loop alone and with stores and loads in flight.
+8. ``pinned_region``: allocation time and size of the pool's region (pinned in parallel
    chunks) against one ``cudaHostRegister`` call and ``torch.empty(pin_memory=True)``.
-8. ``staging``: the executors' staging cap and peak staging bytes; ``bandwidth`` also
+9. ``staging``: the executors' staging cap (per worker thread) and peak staging bytes; ``bandwidth`` also
    reports the device memory the transfers took beyond the KV cache, per page size.
 """
 
@@ -53,7 +59,8 @@ BUDGET_S = 420.0  # stop starting sections after 7 minutes
 WAIT_S = 60.0  # any single wait longer than this is a hang
 START = time.monotonic()
 HANGS = 0
-PEAK_STAGING = {"cap_bytes": 64 << 20, "peak_bytes": 0}
+# The default cap holds per worker thread (one for stores, one for loads).
+PEAK_STAGING = {"cap_bytes_per_thread": 64 << 20, "threads": 2, "peak_bytes": 0}
 
 
 def log(message: str) -> None:
@@ -98,8 +105,22 @@ class NoReady(CUDAExecutor):
 
 
 class NoFence(CUDAExecutor):
-    def _fence(self, stream) -> None:
+    def _fence(self, state) -> None:
         pass  # a failed job is reported while its copies run
+
+
+class SlowLink(CUDAExecutor):
+    """Each batch's bus copies queue behind ~5 ms of device work: a slow link, under
+    which reusing a staging buffer too early shows."""
+
+    def _copy(self, store, batch, staging) -> None:
+        gpu_sleep(5.0)
+        super()._copy(store, batch, staging)
+
+
+class ReuseAtOnce(SlowLink):
+    def _reuse_after(self, stream, freed) -> None:
+        pass  # a staging buffer is refilled while its previous batch still crosses the bus
 
 
 class _Cuda:
@@ -301,6 +322,30 @@ def ordering_case(case: str, broken: bool, layout: KVLayout, pool: HostBlockPool
         return ok and landed
 
 
+def staging_reuse_case(broken: bool, layout: KVLayout, pool: HostBlockPool) -> bool:
+    """True when a store of many small batches (two staging buffers taking turns) landed
+    byte-exact in the host pool."""
+    n = 128
+    dev_ids, host_ids = np.arange(n) * 3 % layout.tensors[0].shape[0], np.arange(n) + 5
+    for t in layout.tensors:
+        t.random_(0, 256)
+    pool.region.zero_()
+    row = sum(layout.page_bytes(t) for t in range(len(layout.tensors)))
+    cls = ReuseAtOnce if broken else SlowLink
+    executor = cls(layout, pool, staging_bytes=4 * row)  # batches of two rows
+    with TransferEngine(layout, pool, executor=executor) as engine:
+        torch.cuda.synchronize()
+        engine.submit(1, DeviceLoadStoreSpec(dev_ids, [n], [0]), CPULoadStoreSpec(host_ids))
+        ok = wait(engine, [1]) and all(r.success for r in engine.poll())
+        rows = torch.from_numpy(dev_ids).cuda()
+        landed = all(
+            bool((pool.sub_blocks(t)[host_ids] == layout.tensors[t][rows].cpu()).all())
+            for t in range(len(layout.tensors))
+        )
+        torch.cuda.synchronize()
+        return ok and landed
+
+
 def ordering(page: int = 64 << 10) -> dict:
     layout, pool = big_setup(page=page)
     out = {}
@@ -309,6 +354,10 @@ def ordering(page: int = 64 << 10) -> dict:
         broken_held = ordering_case(case, True, layout, pool)
         out[case] = {"holds": correct, "broken_variant_caught": not broken_held}
         log(f"ordering {case}: {out[case]}")
+    correct = staging_reuse_case(False, layout, pool)
+    broken_held = staging_reuse_case(True, layout, pool)
+    out["staging_reused_after_its_copies"] = {"holds": correct, "broken_variant_caught": not broken_held}
+    log(f"ordering staging_reused_after_its_copies: {out['staging_reused_after_its_copies']}")
     return out
 
 
@@ -327,7 +376,7 @@ def failure_fence(page: int = 64 << 10) -> dict:
             ok = wait(engine, [1])
             (result,) = engine.poll() or [None]
             reported = time.perf_counter()
-            executor._states[0].stream.synchronize()
+            executor._states[0].synchronize()
             still_running_ms = (time.perf_counter() - reported) * 1e3
             out[name] = {
                 "reported_failed": bool(ok and result is not None and not result.success),
@@ -371,8 +420,12 @@ def bandwidth(layers: int = 32, blocks: int = 1024, job: int = 128, pages_kib=(4
         torch.cuda.synchronize()
         kv_bytes = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        for path in ("batched", "per_row"):
-            executor = CUDAExecutor(layout, pool, coalesce=path == "batched")
+        for path in ("batched", "per_tensor_kernels", "per_row"):
+            # batched: staged, one gather kernel per batch when the layout allows it (the
+            # default); per_tensor_kernels: staged, one kernel per tensor; per_row: no staging
+            executor = CUDAExecutor(
+                layout, pool, coalesce=path != "per_row", one_kernel=None if path == "batched" else False
+            )
             with TransferEngine(layout, pool, executor=executor) as engine:
                 job_id = 0
                 for pattern in ("consecutive", "scattered"):
@@ -396,7 +449,7 @@ def bandwidth(layers: int = 32, blocks: int = 1024, job: int = 128, pages_kib=(4
                                 cpu += time.process_time() - c0
                             assert all(r.success for r in engine.poll())
                         pieces = [(t, ids, host) for t in range(layers)]
-                        plan = plan_batches(pieces, pool, executor.staging_cap, executor.coalesce)
+                        plan = plan_batches(pieces, pool, executor.batch_bytes, executor.coalesce)
                         rows.append(
                             {
                                 "page_kib": page_kib,
@@ -408,8 +461,16 @@ def bandwidth(layers: int = 32, blocks: int = 1024, job: int = 128, pages_kib=(4
                                 "ratio": round(flat[direction] / best, 3),
                                 "cpu_ms_per_job": round(cpu / (reps - 1) * 1e3, 3),
                                 "copies_per_job": sum(b.num_copies for b in plan),
+                                "span_granule": executor.span.granule if executor.span else None,
                             }
                         )
+                        log(f"bandwidth {rows[-1]}")
+                if path == "batched":
+                    for direction in ("store", "load"):
+                        rows.append(
+                            streamed(engine, job_id, direction, layers, blocks, job, nbytes, flat, rng)
+                        )
+                        job_id += STREAMED_JOBS
                         log(f"bandwidth {rows[-1]}")
             note_staging(executor)
         # staging, temporaries and row ids: the device memory transfers took beyond the KV
@@ -417,6 +478,75 @@ def bandwidth(layers: int = 32, blocks: int = 1024, job: int = 128, pages_kib=(4
         del kv, layout, pool, executor
         torch.cuda.empty_cache()
     return {"layers": layers, "blocks_per_job": job, "rows": rows, "device_bytes_beyond_kv": beyond_kv}
+
+
+STREAMED_JOBS = 4
+
+
+def streamed(engine, job_id, direction, layers, blocks, job, nbytes, flat, rng) -> dict:
+    """``STREAMED_JOBS`` jobs with scattered ids submitted back to back, then waited for:
+    the throughput of a queue of jobs, where one job's planning overlaps another's copies."""
+    best, cpu = float("inf"), 0.0
+    for _ in range(3):
+        devices = rng.permutation(blocks)[: STREAMED_JOBS * job].reshape(STREAMED_JOBS, job)
+        hosts = rng.permutation(blocks // 2)[: STREAMED_JOBS * job].reshape(STREAMED_JOBS, job)
+        ids = list(range(job_id + 1, job_id + 1 + STREAMED_JOBS))
+        torch.cuda.synchronize()
+        c0, t0 = time.process_time(), time.perf_counter()
+        for k, jid in enumerate(ids):
+            d, h = DeviceLoadStoreSpec(devices[k], [job], [0]), CPULoadStoreSpec(hosts[k])
+            engine.submit(jid, *((d, h) if direction == "store" else (h, d)))
+        wait(engine, ids)
+        best = min(best, time.perf_counter() - t0)
+        cpu += time.process_time() - c0
+        assert all(r.success for r in engine.poll())
+    return {
+        "page_kib": nbytes // (layers * job) >> 10,
+        "path": f"batched_streamed_{STREAMED_JOBS}",
+        "host_ids": "scattered",
+        "direction": direction,
+        "gb_s": round(STREAMED_JOBS * nbytes / best / 1e9, 2),
+        "pinned_copy_gb_s": round(nbytes / flat[direction] / 1e9, 2),
+        "ratio": round(STREAMED_JOBS * flat[direction] / best, 3),
+        "cpu_ms_per_job": round(cpu / 3 / STREAMED_JOBS * 1e3, 3),
+    }
+
+
+def far_apart(gap_gib: int = 20, page: int = 64 << 10, blocks: int = 256) -> dict:
+    """Round trips through a one-kernel executor whose tensors lie ``gap_gib`` GiB apart
+    (the two ends of one allocation): span offsets past 2**31 elements must not wrap."""
+    size = blocks * page
+    whole = torch.empty((gap_gib << 30) + 2 * size, dtype=torch.uint8, device="cuda")
+    first, second = whole[:size].view(blocks, page), whole[-size:].view(blocks, page)
+    first.random_(0, 256)
+    second.random_(0, 256)
+    layout = KVLayout.from_layer_tensors({"a": first, "b": second})
+    pool = HostBlockPool(layout, blocks)
+    executor = CUDAExecutor(layout, pool)
+    span = executor.span
+    wrong = 0
+    with TransferEngine(layout, pool, executor=executor) as engine:
+        ids = np.arange(blocks)[::-1].copy()
+        engine.submit(1, DeviceLoadStoreSpec(ids, [blocks], [0]), CPULoadStoreSpec(np.arange(blocks)))
+        ok = wait(engine, [1]) and all(r.success for r in engine.poll())
+        want = [t[torch.from_numpy(ids).cuda()].cpu() for t in layout.tensors]
+        wrong += sum(int((pool.sub_blocks(t) != want[t]).sum()) for t in range(2))
+        for t in layout.tensors:
+            t.zero_()
+        engine.submit(2, CPULoadStoreSpec(np.arange(blocks)), DeviceLoadStoreSpec(ids, [blocks], [0]))
+        ok = ok and wait(engine, [2]) and all(r.success for r in engine.poll())
+        torch.cuda.synchronize()
+        wrong += sum(
+            int((t[torch.from_numpy(ids).cuda()].cpu() != want[i]).sum())
+            for i, t in enumerate(layout.tensors)
+        )
+    del whole, first, second, layout, pool, executor
+    return {
+        "one_kernel": span is not None,
+        "span_elements": span.rows.numel() if span else 0,
+        "jobs_ok": bool(ok),
+        "wrong_bytes": wrong,
+    }
 
 
 def cpu_while_waiting(page: int = 64 << 10) -> dict:
@@ -515,6 +645,10 @@ def targets(s: dict) -> dict:
     rt = s.get("round_trips") or {}
     t["round_trip_jobs >= 200"] = rt.get("jobs", 0) >= 200
     t["wrong_bytes == 0"] = rt.get("wrong_bytes", 1) == 0 and rt.get("failed_jobs", 1) == 0
+    far = s.get("far_apart") or {}
+    t["one-kernel span past 2**31 elements: 0 wrong bytes"] = bool(far) and (
+        far["one_kernel"] and far["span_elements"] > 2**31 and far["jobs_ok"] and far["wrong_bytes"] == 0
+    )
     t["hangs == 0"] = HANGS == 0
     order = s.get("ordering") or {}
     t["ordering holds, broken variants caught"] = bool(order) and all(
@@ -528,9 +662,19 @@ def targets(s: dict) -> dict:
     )
     rows = (s.get("bandwidth") or {}).get("rows", [])
     ratios = [r["ratio"] for r in rows if r["path"] == "batched" and r["page_kib"] >= 64]
-    t["batched >= 0.85x pinned copy_ at >= 64 KiB pages"] = bool(ratios) and min(ratios) >= 0.85
+    t["batched >= 0.85x pinned copy_ at >= 64 KiB pages, one job at a time"] = (
+        bool(ratios) and min(ratios) >= 0.85
+    )
+    queued = [r["ratio"] for r in rows if r["path"].startswith("batched_streamed") and r["page_kib"] >= 64]
+    t[f"batched >= 0.85x pinned copy_ at >= 64 KiB pages, {STREAMED_JOBS} jobs queued"] = (
+        bool(queued) and min(queued) >= 0.85
+    )
     cpu = s.get("cpu_while_waiting") or {}
     t["cpu fraction while waiting < 0.25"] = bool(cpu) and cpu["blocking_events"]["cpu_fraction"] < 0.25
+    staging = s.get("staging") or {}
+    t["peak staging <= cap x threads"] = (
+        0 < staging.get("peak_bytes", 0) <= (staging["cap_bytes_per_thread"] * staging["threads"])
+    )
     region = s.get("pinned_region") or {}
     t["pinned region exactly the requested size"] = bool(region) and (
         region["parallel_chunks"]["pinned"]
@@ -554,6 +698,7 @@ def main() -> int:
         ("round_trips", round_trips),
         ("ordering", ordering),
         ("failure_fence", failure_fence),
+        ("far_apart", far_apart),
         ("bandwidth", bandwidth),
         ("cpu_while_waiting", cpu_while_waiting),
         ("matmul_slowdown", matmul_slowdown),

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
-from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
+from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine, cuda_executor
 from kvoffload.transfer.cuda_executor import CUDAExecutor
 from transfer_oracle import assert_state, expected_after, randomize, snapshot, three_group_layer_caches
 
@@ -28,7 +28,8 @@ NUM_DEVICE, NUM_HOST = 32, 16
 
 class FakeCuda:
     """The slice of ``torch.cuda`` the executor uses. ``fail`` maps an operation name
-    (``"Event.record"``, ``"Event.synchronize"``, ``"Stream.wait_event"``, ``"Stream"``)
+    (``"Event.record"``, ``"TimingEvent.record"`` (a job's start and end events only),
+    ``"Event.synchronize"``, ``"Stream.wait_event"``, ``"Stream"``)
     to the 1-based call that raises; ``gate`` (a threading.Event) holds every
     ``Event.synchronize`` and ``Stream.synchronize`` until it is set."""
 
@@ -74,7 +75,7 @@ class FakeCuda:
         return FakeStream(self, device)
 
     def Event(self, enable_timing: bool = False, blocking: bool = False):  # noqa: N802
-        return FakeEvent(self, blocking)
+        return FakeEvent(self, blocking, enable_timing)
 
 
 class FakeStream:
@@ -91,11 +92,13 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, fake: FakeCuda, blocking: bool) -> None:
-        self.fake, self.blocking, self.recorded = fake, blocking, False
+    def __init__(self, fake: FakeCuda, blocking: bool, timing: bool) -> None:
+        self.fake, self.blocking, self.timing, self.recorded = fake, blocking, timing, False
 
     def record(self, stream=None) -> None:
         self.fake._call("Event.record")
+        if self.timing:
+            self.fake._call("TimingEvent.record")
         self.recorded = True
 
     def synchronize(self) -> None:
@@ -124,14 +127,16 @@ def make_layout(kind: str, gen: torch.Generator) -> KVLayout:
     return KVLayout.from_layer_tensors(caches, [[n] for n in caches], block_dim=1)
 
 
-def make_engine(kind="per_layer", f=1, interleave=False, seed=0, fake=None, staging=64 << 20, **kw):
+def make_engine(
+    kind="per_layer", f=1, interleave=False, seed=0, fake=None, staging=64 << 20, one_kernel=None, **kw
+):
     gen = torch.Generator().manual_seed(seed)
     layout = make_layout(kind, gen)
     pool = HostBlockPool(layout, NUM_HOST, f, interleave=interleave)
     for t in pool.tensors:
         randomize(t, gen)
     fake = fake or FakeCuda()
-    executor = CUDAExecutor(layout, pool, staging_bytes=staging, cuda=fake)
+    executor = CUDAExecutor(layout, pool, staging_bytes=staging, one_kernel=one_kernel, cuda=fake)
     return layout, pool, fake, executor, TransferEngine(layout, pool, executor=executor, **kw)
 
 
@@ -159,8 +164,12 @@ CASES = [
 
 @pytest.mark.parametrize(("kind", "f", "interleave"), CASES)
 @pytest.mark.parametrize("staging", [64 << 20, 1], ids=["one_batch", "row_batches"])
-def test_jobs_are_byte_exact(kind, f, interleave, staging):
-    layout, pool, fake, executor, engine = make_engine(kind, f, interleave, staging=staging)
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["span", "per_tensor"])
+def test_jobs_are_byte_exact(kind, f, interleave, staging, one_kernel):
+    layout, pool, fake, executor, engine = make_engine(
+        kind, f, interleave, staging=staging, one_kernel=one_kernel
+    )
+    assert (executor.span is not None) == one_kernel
     rng = np.random.default_rng(1)
     with engine:
         for job_id in range(12):
@@ -174,10 +183,60 @@ def test_jobs_are_byte_exact(kind, f, interleave, staging):
             assert result.success, result.error
             want = expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids)
             assert_state(layout, pool, want)
-    # the staging cap holds per direction (raised to one row of the widest group)
+    # the staging cap holds per direction: two buffers of half of it (each raised to one
+    # row of the widest group)
     widest_row = max(layout.group_page_bytes(g) for g in range(layout.num_groups))
-    assert executor.peak_staging_bytes <= 2 * (max(staging, widest_row) + 8)
+    assert executor.peak_staging_bytes <= 2 * 2 * (max(staging // 2, widest_row) + 8)
     assert executor.peak_staging_bytes > 0
+
+
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["span", "per_tensor"])
+@pytest.mark.parametrize("ring", ["wraps", "too_small"])
+def test_index_ring_wraps_and_overflows_byte_exact(monkeypatch, one_kernel, ring):
+    # Batches of one row. "wraps": a ring of three batches' indices, so it wraps (after
+    # waiting for the kernel stream); "too_small": no batch fits, each gets its own buffer.
+    layout, pool, fake, executor, engine = make_engine(staging=1, one_kernel=one_kernel)
+    if one_kernel:
+        widest = max(layout.group_page_bytes(g) // executor.span.granule for g in range(layout.num_groups))
+    else:
+        widest = 1
+    monkeypatch.setattr(cuda_executor, "INDEX_RING_ENTRIES", 3 * widest if ring == "wraps" else 0)
+    rng = np.random.default_rng(3)
+    with engine:
+        for job_id in range(10):
+            store = bool(job_id % 2)
+            device_ids, sizes, indices, host_ids = random_job(layout, pool, rng)
+            before = snapshot(layout, pool)
+            device, host = DeviceLoadStoreSpec(device_ids, sizes, indices), CPULoadStoreSpec(host_ids)
+            engine.submit(job_id, *((device, host) if store else (host, device)))
+            engine.wait([job_id])
+            assert [r.success for r in engine.poll()] == [True]
+            want = expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids)
+            assert_state(layout, pool, want)
+    wrapped = fake.calls.get("Stream.synchronize", 0)
+    assert wrapped > 0 if ring == "wraps" else wrapped == 0
+
+
+def test_next_job_is_launched_while_the_last_one_copies_and_results_keep_order():
+    gate = threading.Event()  # every host wait hangs until set: job 1 stays unfinished
+    layout, pool, fake, executor, engine = make_engine(fake=FakeCuda(gate=gate))
+    with engine:
+        try:
+            for job_id, host in ((1, 1), (2, 2), (3, 3)):
+                engine.submit(
+                    job_id, DeviceLoadStoreSpec([job_id], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([host])
+                )
+            deadline = time.monotonic() + 5
+            while fake.calls.get("TimingEvent.record", 0) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            # jobs 1 and 2 launched (start and end events each), job 3 waits its turn
+            assert fake.calls.get("TimingEvent.record") == 4
+            assert engine.poll() == []
+        finally:
+            gate.set()
+        engine.wait([1, 2, 3], timeout=5)
+    assert [(r.job_id, r.success) for r in engine.poll()] == [(1, True), (2, True), (3, True)]
 
 
 def test_device_set_and_blocking_events_on_every_copying_thread():
@@ -220,8 +279,8 @@ def test_failure_in_a_job_fails_it_once_and_later_jobs_run(failing):
     assert [(r.job_id, r.success) for r in results] == [(1, False), (2, True)]
     assert results[0].error.startswith("RuntimeError: injected failure")
     assert engine.poll() == []
-    if failing != "Stream":  # the stream existed: it was fenced before the report
-        assert fake.calls.get("Stream.synchronize") == 1
+    if failing != "Stream":  # the streams existed: both were fenced before the report
+        assert fake.calls.get("Stream.synchronize") == 2
     want = expected_after(layout, pool, before, True, [5], [1, 0, 0, 0], [0] * 4, [2])
     for t in layout.groups[0]:  # the failed job's destination is unspecified
         want[1][t][1] = pool.tensors[t][1]
@@ -231,7 +290,7 @@ def test_failure_in_a_job_fails_it_once_and_later_jobs_run(failing):
 def test_failed_job_is_reported_only_after_its_stream_is_fenced():
     # Job 1's end event fails to record (its copies are queued by then); the fence holds.
     gate = threading.Event()
-    fake = FakeCuda({"Event.record": 3}, gate)  # 1: ready, 2: start, 3: end
+    fake = FakeCuda({"TimingEvent.record": 2}, gate)  # 1: start, 2: end
     layout, pool, fake, executor, engine = make_engine(fake=fake)
     with engine:
         try:
@@ -249,15 +308,16 @@ def test_failed_job_is_reported_only_after_its_stream_is_fenced():
         assert [(r.job_id, r.success) for r in engine.poll()] == [(1, False)]
 
 
-def test_a_torch_error_mid_job_fails_only_that_job():
-    layout, pool, fake, executor, engine = make_engine()
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["span", "per_tensor"])
+def test_a_torch_error_mid_job_fails_only_that_job(one_kernel):
+    layout, pool, fake, executor, engine = make_engine(one_kernel=one_kernel)
     layout.tensors[layout.groups[1][0]].untyped_storage().resize_(0)  # memory released
     with engine:
         engine.submit(1, DeviceLoadStoreSpec([0, 1], [1, 1, 0, 0], [0] * 4), CPULoadStoreSpec([0, 1]))
         engine.submit(2, DeviceLoadStoreSpec([5], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([4]))
         engine.wait([1, 2], timeout=5)
         assert [(r.job_id, r.success) for r in engine.poll()] == [(1, False), (2, True)]
-    assert fake.calls.get("Stream.synchronize") == 1
+    assert fake.calls.get("Stream.synchronize") == 2  # both side streams fenced
 
 
 def test_close_is_bounded_and_reports_a_stuck_job_once():

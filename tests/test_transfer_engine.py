@@ -244,13 +244,13 @@ def test_duplicate_destinations_and_job_ids_rejected():
     before = snapshot(layout, pool)
     # Every copy waits until released: job 1 stays in flight, whatever the timing.
     release = threading.Event()
-    run = engine._executor.run
+    launch = engine._executor.launch
 
     def held(*args, **kwargs):
         release.wait()
-        return run(*args, **kwargs)
+        return launch(*args, **kwargs)
 
-    engine._executor.run = held
+    engine._executor.launch = held
     store_1 = (DeviceLoadStoreSpec([0], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([3]))
     with engine:
         try:

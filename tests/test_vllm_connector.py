@@ -295,14 +295,14 @@ def test_failed_loads_are_recomputed(model_path, baseline):
         assert generate(llm, text)[0] == baseline[1]
         # Inject a copy error into every load the transfer engine runs from now on.
         executor = host_transfer_engine()._executor
-        run = executor.run
+        launch = executor.launch
 
         def failing_loads(store, *args, **kwargs):
             if not store:
                 raise RuntimeError("injected copy failure")
-            return run(store, *args, **kwargs)
+            return launch(store, *args, **kwargs)
 
-        executor.run = failing_loads
+        executor.launch = failing_loads
         settle(llm)  # the last stores may still be in flight
         assert llm.reset_prefix_cache()
         out, _ = generate(llm, text)

@@ -137,7 +137,12 @@ class CPUExecutor:
     def close(self) -> None:
         self._copies.close()
 
-    def run(self, store: bool, pieces: Sequence[Piece], state=None, ready=None) -> float:
+    jobs_in_flight = 1  # launch does the copies: nothing to overlap
+
+    def finish(self, handle: float) -> float:
+        return handle  # the seconds launch took
+
+    def launch(self, store: bool, pieces: Sequence[Piece], state=None, ready=None) -> float:
         start = time.perf_counter()
         if self.native_copies:
             self._run_native(store, pieces)

@@ -28,7 +28,8 @@ Contract:
   that is neither a store nor a load or for specs of the wrong class for their medium,
   and ``RuntimeError`` after ``close``. It returns ``True`` when the job is queued.
 * Stores and loads have their own queue and worker; within a direction jobs run and
-  complete in submission order, and the two directions overlap.
+  complete in submission order (an executor may have a few launched at once, see
+  ``kvoffload.transfer.executor``), and the two directions overlap.
 * Every job ``submit`` accepted (returned ``True``) yields exactly one result. An error
   after validation (e.g. recording the executor's ready event failed) does not raise: the
   job completes at once as failed (ahead of jobs queued before it).
@@ -57,8 +58,10 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -204,17 +207,42 @@ class TransferEngine(OffloadingWorker):
     # -- completion ---------------------------------------------------------------------
 
     def _worker(self, direction: str) -> None:
-        state = None
+        """Launch queued jobs, at most ``jobs_in_flight`` ahead, and finish them in order."""
         jobs = self._queues[direction]
-        while (job := jobs.get()) is not None:
-            try:
-                if state is None:
-                    state = self._executor.new_state()
-                seconds = self._executor.run(job.store, job.pieces, state, job.ready)
-                result = TransferResult(job.job_id, True, job.nbytes, seconds, direction)
-            except BaseException as exc:  # noqa: BLE001 - any error fails this job only
-                result = TransferResult(job.job_id, False, 0, 0.0, direction, f"{type(exc).__name__}: {exc}")
-            self._complete(result)
+        depth = max(1, self._executor.jobs_in_flight)
+        state = None
+        in_flight: deque[tuple[_Job, Any]] = deque()
+        stopping = False
+        while not (stopping and not in_flight):
+            job = None
+            if not stopping and len(in_flight) < depth:
+                try:
+                    # Block only when nothing is in flight; else take what is queued now.
+                    job = jobs.get(block=not in_flight)
+                except queue.Empty:
+                    pass
+                else:
+                    stopping = job is None
+            if job is not None:
+                try:
+                    if state is None:
+                        state = self._executor.new_state()
+                    in_flight.append((job, self._executor.launch(job.store, job.pieces, state, job.ready)))
+                except BaseException as exc:  # noqa: BLE001 - any error fails this job only
+                    self._complete(self._failed(job, direction, exc))
+                continue
+            if in_flight:
+                job, handle = in_flight.popleft()
+                try:
+                    seconds = self._executor.finish(handle)
+                    result = TransferResult(job.job_id, True, job.nbytes, seconds, direction)
+                except BaseException as exc:  # noqa: BLE001 - any error fails this job only
+                    result = self._failed(job, direction, exc)
+                self._complete(result)
+
+    @staticmethod
+    def _failed(job: _Job, direction: str, exc: BaseException) -> TransferResult:
+        return TransferResult(job.job_id, False, 0, 0.0, direction, f"{type(exc).__name__}: {exc}")
 
     def _complete(self, result: TransferResult) -> None:
         """Post ``result`` unless its job already has one (failed by a timed-out close)."""

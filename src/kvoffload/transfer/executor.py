@@ -9,11 +9,17 @@ copies device -> host, a load host -> device.
   the work queued so far; ``None`` where nothing needs ordering).
 * ``new_state()`` is called once per engine worker thread, on that thread, before its first
   job; the state (CUDA: a side stream) is passed to every ``run`` of that thread.
-* ``run(store, pieces, state, ready)`` copies every piece and returns the copy seconds, or
-  raises: the engine turns an exception into a failed result at once. A job whose ``run``
+* ``launch(store, pieces, state, ready)`` starts (or does) every copy of the job and
+  returns a handle; ``finish(handle)`` waits for them and returns the copy seconds. Either
+  may raise: the engine turns an exception into a failed result at once. A job that
   raised has unspecified destination rows and touched nothing else, and none of its
-  copies may still be running when ``run`` raises (an asynchronous executor fences its
-  stream first): the caller may hand the destination to new data as soon as it hears.
+  copies may still be running when the exception leaves the executor (an asynchronous
+  executor fences its streams first): the caller may hand the destination to new data as
+  soon as it hears.
+* ``jobs_in_flight``: how many jobs one worker thread may have launched and not finished.
+  With more than one, the worker launches the next queued job before it waits for the
+  oldest, so one job's planning and launches overlap another's copies; jobs still finish
+  in launch order. An executor whose ``launch`` does the copies itself says 1.
 * ``close()`` releases the executor's own threads or handles.
 """
 
@@ -28,10 +34,14 @@ Piece = tuple[int, np.ndarray, np.ndarray]  # (tensor index, device rows, host r
 
 
 class Executor(Protocol):
+    jobs_in_flight: int
+
     def ready_event(self) -> Any: ...
 
     def new_state(self) -> Any: ...
 
-    def run(self, store: bool, pieces: Sequence[Piece], state: Any, ready: Any) -> float: ...
+    def launch(self, store: bool, pieces: Sequence[Piece], state: Any, ready: Any) -> Any: ...
+
+    def finish(self, handle: Any) -> float: ...
 
     def close(self) -> None: ...

@@ -8,7 +8,8 @@ order*, and the staging buffer crosses the bus in one copy per contiguous host r
 an interleaved ``HostBlockPool`` a run of consecutive host ids is one such range across
 every layer; in a tensor-major pool it is one per tensor.
 
-``plan_batches(pieces, pool, cap)`` returns ``Batch`` es. A batch needs at most ``cap``
+``plan_batches(pieces, pool, cap)`` returns ``Batch`` es (``iter_batches``: the same, one
+at a time). A batch needs at most ``cap``
 staging bytes (at least one host row of one group: a cap smaller than that is raised to
 it), so a job of any size runs in bounded device memory. Within a batch:
 
@@ -25,7 +26,7 @@ Pure numpy: the executor runs the plan, tests check it without a device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,22 +124,26 @@ def plan_batches(
 ) -> list[Batch]:
     """The batches of a job given as pieces ``(tensor, device_rows, host_rows)``; see the
     module docstring."""
+    return list(iter_batches(pieces, pool, cap, coalesce))
+
+
+def iter_batches(
+    pieces: Sequence[Piece], pool: HostBlockPool, cap: int, coalesce: bool = True
+) -> Iterator[Batch]:
+    """``plan_batches`` one batch at a time, each planned when it is asked for, so an
+    executor can start moving the first batch while it plans the next."""
     page = pool.layout.page_bytes
     bound_starts = np.asarray([off for off, _ in pool.register_bounds] or [0], np.int64)
-    batches: list[Batch] = []
     batch = Batch()
     hosts: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
 
-    def flush() -> None:
-        nonlocal batch
-        if batch.gathers:
-            host, length = np.concatenate(hosts), np.concatenate(lengths)
-            batch.host, batch.staging, batch.nbytes = _copies(host, length, bound_starts, coalesce)
-            batches.append(batch)
-        batch = Batch()
+    def finish(batch: Batch) -> Batch:
+        host, length = np.concatenate(hosts), np.concatenate(lengths)
+        batch.host, batch.staging, batch.nbytes = _copies(host, length, bound_starts, coalesce)
         hosts.clear()
         lengths.clear()
+        return batch
 
     for tensors, device_rows, host_rows in _groups(pieces):
         if not len(host_rows):
@@ -155,7 +160,8 @@ def plan_batches(
             h, d = h_sorted[first : first + rows_per_chunk], d_sorted[first : first + rows_per_chunk]
             size = len(h) * row_bytes
             if batch.gathers and batch.staging_bytes + size > cap:
-                flush()
+                yield finish(batch)
+                batch = Batch()
             base = batch.staging_bytes
             if pool.interleaved:
                 # Staging rows are host rows: each tensor's page side by side.
@@ -173,5 +179,5 @@ def plan_batches(
             lengths.append(np.ascontiguousarray(length).ravel())
             batch.gathers.append(Gather(d, cols))
             batch.staging_bytes += size
-    flush()
-    return batches
+    if batch.gathers:
+        yield finish(batch)
