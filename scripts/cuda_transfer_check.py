@@ -52,7 +52,7 @@ import torch
 
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
 from kvoffload.transfer import HostBlockPool, KVLayout, TransferEngine
-from kvoffload.transfer.cuda_executor import CUDAExecutor
+from kvoffload.transfer.cuda_executor import DEFAULT_STAGING_BYTES, CUDAExecutor
 from kvoffload.transfer.staging_plan import plan_batches
 
 BUDGET_S = 420.0  # stop starting sections after 7 minutes
@@ -60,7 +60,7 @@ WAIT_S = 60.0  # any single wait longer than this is a hang
 START = time.monotonic()
 HANGS = 0
 # The default cap holds per worker thread (one for stores, one for loads).
-PEAK_STAGING = {"cap_bytes_per_thread": 64 << 20, "threads": 2, "peak_bytes": 0}
+PEAK_STAGING = {"cap_bytes_per_thread": DEFAULT_STAGING_BYTES, "threads": 2, "peak_bytes": 0}
 
 
 def log(message: str) -> None:

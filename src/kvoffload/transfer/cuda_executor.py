@@ -18,8 +18,9 @@ A gather or scatter is one ``index_select`` / ``index_copy_`` over the layout's
 ``ByteSpan`` (``kvoffload.transfer.byte_span``) when its granule is at least
 ``MIN_GRANULE`` bytes, otherwise one per tensor and chunk on rows viewed as the widest
 integer type (a byte-wise kernel is several times slower). On a 32-layer layout on an
-H200 the one-kernel path moved 0.75-0.78 of one pinned ``copy_`` at 64 KiB pages against
-0.50-0.66 with a kernel per tensor (BENCHMARKS.md). A batch's index crosses the bus in one
+H200 the one-kernel path moved as much or more (at 64 KiB pages 0.75-0.77 of one pinned
+``copy_`` against 0.71-0.76) for half to three quarters of the CPU per job
+(BENCHMARKS.md). A batch's index crosses the bus in one
 copy from a pinned ring of ``INDEX_RING_ENTRIES`` (pinning a fresh buffer per batch cost
 more than the batch's copies); when the ring is full the worker waits for the kernel
 stream, the only reader, and starts it over.
@@ -71,6 +72,9 @@ from kvoffload.validation import positive_int
 
 logger = logging.getLogger(__name__)
 
+# 128 MiB per worker thread: on an H200, 64 MiB batches moved the same bytes as 32 MiB
+# ones (0.85-0.94 of a pinned copy_ with jobs queued) for half the CPU per job.
+DEFAULT_STAGING_BYTES = 128 << 20
 INDEX_RING_ENTRIES = 1 << 17  # int64 index entries per worker thread (1 MiB pinned, 1 MiB device)
 MIN_GRANULE = 256  # below it a one-kernel gather's index outweighs its launches saved
 _WIDTHS = {torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.uint8: 1}
@@ -110,7 +114,7 @@ class CUDAExecutor:
         layout: KVLayout,
         pool: HostBlockPool,
         *,
-        staging_bytes: int = 64 << 20,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
         coalesce: bool = True,
         one_kernel: bool | None = None,
         cuda: Any = None,

@@ -67,7 +67,7 @@ import numpy as np
 
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_DEVICE, CPULoadStoreSpec, DeviceLoadStoreSpec, LoadStoreSpec
 from kvoffload.transfer.cpu_executor import CPUExecutor
-from kvoffload.transfer.cuda_executor import CUDAExecutor
+from kvoffload.transfer.cuda_executor import DEFAULT_STAGING_BYTES, CUDAExecutor
 from kvoffload.transfer.executor import Executor, Piece
 from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
@@ -108,7 +108,7 @@ class TransferEngine(OffloadingWorker):
         *,
         chunk_bytes: int = 1 << 20,
         copy_threads: int | None = None,
-        staging_bytes: int = 64 << 20,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
         executor: Executor | None = None,
         close_timeout: float | None = 60.0,
     ) -> None:
