@@ -151,6 +151,22 @@ def random_job(layout, pool, rng):
     return device_ids, sizes, indices, host_ids
 
 
+def run_random_jobs(engine, layout, pool, rng, count):
+    """``count`` random jobs, stores and loads in turn, each checked byte for byte."""
+    for job_id in range(count):
+        store = bool(job_id % 2)
+        device_ids, sizes, indices, host_ids = random_job(layout, pool, rng)
+        before = snapshot(layout, pool)
+        device, host = DeviceLoadStoreSpec(device_ids, sizes, indices), CPULoadStoreSpec(host_ids)
+        assert engine.submit(job_id, *((device, host) if store else (host, device)))
+        engine.wait([job_id])
+        (result,) = engine.poll()
+        assert result.success, result.error
+        assert_state(
+            layout, pool, expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids)
+        )
+
+
 CASES = [
     ("per_layer", 1, False),
     ("per_layer", 1, True),
@@ -170,19 +186,8 @@ def test_jobs_are_byte_exact(kind, f, interleave, staging, one_kernel):
         kind, f, interleave, staging=staging, one_kernel=one_kernel
     )
     assert (executor.span is not None) == one_kernel
-    rng = np.random.default_rng(1)
     with engine:
-        for job_id in range(12):
-            store = bool(job_id % 2)
-            device_ids, sizes, indices, host_ids = random_job(layout, pool, rng)
-            before = snapshot(layout, pool)
-            device, host = DeviceLoadStoreSpec(device_ids, sizes, indices), CPULoadStoreSpec(host_ids)
-            assert engine.submit(job_id, *((device, host) if store else (host, device)))
-            engine.wait([job_id])
-            (result,) = engine.poll()
-            assert result.success, result.error
-            want = expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids)
-            assert_state(layout, pool, want)
+        run_random_jobs(engine, layout, pool, np.random.default_rng(1), 12)
     # the staging cap holds per direction: two buffers of half of it (each raised to one
     # row of the widest group)
     widest_row = max(layout.group_page_bytes(g) for g in range(layout.num_groups))
@@ -201,18 +206,8 @@ def test_index_ring_wraps_and_overflows_byte_exact(monkeypatch, one_kernel, ring
     else:
         widest = 1
     monkeypatch.setattr(cuda_executor, "INDEX_RING_ENTRIES", 3 * widest if ring == "wraps" else 0)
-    rng = np.random.default_rng(3)
     with engine:
-        for job_id in range(10):
-            store = bool(job_id % 2)
-            device_ids, sizes, indices, host_ids = random_job(layout, pool, rng)
-            before = snapshot(layout, pool)
-            device, host = DeviceLoadStoreSpec(device_ids, sizes, indices), CPULoadStoreSpec(host_ids)
-            engine.submit(job_id, *((device, host) if store else (host, device)))
-            engine.wait([job_id])
-            assert [r.success for r in engine.poll()] == [True]
-            want = expected_after(layout, pool, before, store, device_ids, sizes, indices, host_ids)
-            assert_state(layout, pool, want)
+        run_random_jobs(engine, layout, pool, np.random.default_rng(3), 10)
     wrapped = fake.calls.get("Stream.synchronize", 0)
     assert wrapped > 0 if ring == "wraps" else wrapped == 0
 
@@ -220,12 +215,21 @@ def test_index_ring_wraps_and_overflows_byte_exact(monkeypatch, one_kernel, ring
 def test_next_job_is_launched_while_the_last_one_copies_and_results_keep_order():
     gate = threading.Event()  # every host wait hangs until set: job 1 stays unfinished
     layout, pool, fake, executor, engine = make_engine(fake=FakeCuda(gate=gate))
+    queued = threading.Event()  # job 1 is launched only once all three are queued
+    launch = executor.launch
+
+    def launch_when_queued(*args, **kwargs):
+        queued.wait(5)
+        return launch(*args, **kwargs)
+
+    executor.launch = launch_when_queued
     with engine:
         try:
             for job_id, host in ((1, 1), (2, 2), (3, 3)):
                 engine.submit(
                     job_id, DeviceLoadStoreSpec([job_id], [1, 0, 0, 0], [0] * 4), CPULoadStoreSpec([host])
                 )
+            queued.set()
             deadline = time.monotonic() + 5
             while fake.calls.get("TimingEvent.record", 0) < 4 and time.monotonic() < deadline:
                 time.sleep(0.01)

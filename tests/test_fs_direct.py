@@ -73,19 +73,11 @@ def test_cold_read_goes_past_the_cache_and_is_byte_exact(data_file):
     assert reader.direct_reads == 1
 
 
-def test_warm_read_is_served_by_the_page_cache(data_file):
-    path, fd, reader, payload = data_file
-    os.pread(fd, FILE_BYTES, 0)  # the whole file in the cache
-    region, buffers = aligned_buffers(4, 65536)
-    assert reader.read(buffers, 0, 4 * 65536) == 4 * 65536
-    assert bytes(region) == payload[: 4 * 65536]
-    assert reader.direct_reads == 0
-
-
-def test_mostly_cached_read_is_served_by_the_page_cache(data_file):
+@pytest.mark.parametrize("cached", [FILE_BYTES, 3 * 65536], ids=["whole_file", "three_quarters"])
+def test_a_cached_or_mostly_cached_read_is_served_by_the_page_cache(data_file, cached):
     path, fd, reader, payload = data_file
     drop_cache(path)
-    os.pread(fd, 3 * 65536, 0)  # three quarters of the range cached
+    os.pread(fd, cached, 0)
     region, buffers = aligned_buffers(4, 65536)
     assert reader.read(buffers, 0, 4 * 65536) == 4 * 65536
     assert bytes(region) == payload[: 4 * 65536]

@@ -39,11 +39,7 @@ def pwritev_all(fd: int, buffers: Sequence, offset: int, length: int = -1) -> No
         while group:
             written = os.pwritev(fd, group, offset)
             offset += written
-            while group and written >= len(group[0]):
-                written -= len(group[0])
-                group.pop(0)
-            if group and written:
-                group[0] = group[0][written:]
+            group = skip(group, written)
         offset = end
 
 
@@ -74,10 +70,6 @@ def preadv_all(fd: int, buffers: Sequence, offset: int, length: int = -1) -> int
                 return total
             total += got
             offset += got
-            while group and got >= len(group[0]):
-                got -= len(group[0])
-                group.pop(0)
-            if group and got:
-                group[0] = group[0][got:]
+            group = skip(group, got)
         offset = end
     return total
