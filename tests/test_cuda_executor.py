@@ -212,6 +212,25 @@ def test_index_ring_wraps_and_overflows_byte_exact(monkeypatch, one_kernel, ring
     assert wrapped > 0 if ring == "wraps" else wrapped == 0
 
 
+def test_a_staging_buffer_is_refilled_only_after_its_previous_batch_within_and_across_jobs():
+    # Batches of one row on two buffers: each batch waits for its hand-over event, and
+    # from the third batch of the first job on (every batch of the next job) also for the
+    # event behind the last use of its buffer. Per job: the ready event and the job's
+    # start event are waited for once each.
+    layout, pool, fake, executor, engine = make_engine("one_group", 1, True, staging=1)
+    n = 6
+    store = (DeviceLoadStoreSpec(list(range(n)), [n], [0]), CPULoadStoreSpec(list(range(n))))
+    waits = []
+    with engine:
+        for job_id in (1, 2):
+            before = fake.calls.get("Stream.wait_event", 0)
+            engine.submit(job_id, *store)
+            engine.wait([job_id])
+            waits.append(fake.calls["Stream.wait_event"] - before)
+    assert [r.success for r in engine.poll()] == [True, True]
+    assert waits == [2 + n + (n - 2), 2 + n + n]
+
+
 def test_next_job_is_launched_while_the_last_one_copies_and_results_keep_order():
     gate = threading.Event()  # every host wait hangs until set: job 1 stays unfinished
     layout, pool, fake, executor, engine = make_engine(fake=FakeCuda(gate=gate))

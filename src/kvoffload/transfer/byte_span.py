@@ -33,11 +33,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvoffload.transfer.cpu_executor import check_backed
+from kvoffload.transfer.cpu_executor import WIDE_TYPES, check_backed
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.staging_plan import Gather
-
-_WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
 class _CudaMemory:
@@ -55,7 +53,7 @@ class _CudaMemory:
 
 def _alias(device: torch.device, ptr: int, nbytes: int, dtype: torch.dtype, width: int) -> torch.Tensor:
     """A ``(nbytes / (width * itemsize), width)`` tensor over ``nbytes`` at ``ptr``."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     rows = nbytes // (width * itemsize)
     if device.type == "cuda":
         return torch.as_tensor(_CudaMemory(ptr, rows, width, itemsize), device=device)
@@ -74,8 +72,8 @@ class ByteSpan:
         self.page = np.asarray(
             [layout.page_bytes(i) // granule for i in range(len(layout.tensors))], np.int64
         )
-        width, dtype = next((w, d) for w, d in _WIDTHS if granule % w == 0 and start % w == 0)
-        self.rows = _alias(layout.device, start, end - start, dtype, granule // width)
+        dtype = next(d for d in WIDE_TYPES if granule % d.itemsize == 0 and start % d.itemsize == 0)
+        self.rows = _alias(layout.device, start, end - start, dtype, granule // dtype.itemsize)
 
     @classmethod
     def of(cls, layout: KVLayout, min_granule: int = 1) -> ByteSpan | None:

@@ -49,12 +49,12 @@ from kvoffload.validation import positive_int
 
 _OP_BYTES = 256 << 10  # largest single copy; see row_plan on glibc's memcpy
 
-_WIDE_TYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+WIDE_TYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def widest_view_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """The widest integer type every one of ``tensors`` (uint8 rows) can be viewed as."""
-    for dtype in _WIDE_TYPES:
+    for dtype in WIDE_TYPES:
         try:
             for t in tensors:
                 t.view(dtype)

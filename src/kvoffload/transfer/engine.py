@@ -29,7 +29,8 @@ Contract:
   and ``RuntimeError`` after ``close``. It returns ``True`` when the job is queued.
 * Stores and loads have their own queue and worker; within a direction jobs run and
   complete in submission order (an executor may have a few launched at once, see
-  ``kvoffload.transfer.executor``), and the two directions overlap.
+  ``kvoffload.transfer.executor``; a job whose launch fails is reported at once, ahead of
+  an earlier one still copying), and the two directions overlap.
 * Every job ``submit`` accepted (returned ``True``) yields exactly one result. An error
   after validation (e.g. recording the executor's ready event failed) does not raise: the
   job completes at once as failed (ahead of jobs queued before it).

@@ -8,7 +8,8 @@ copies device -> host, a load host -> device.
   job to ``run`` (CUDA: an event recorded on the caller's stream, so the copies start after
   the work queued so far; ``None`` where nothing needs ordering).
 * ``new_state()`` is called once per engine worker thread, on that thread, before its first
-  job; the state (CUDA: a side stream) is passed to every ``run`` of that thread.
+  job; the state (CUDA: its side streams and buffers) is passed to every ``launch`` of that
+  thread.
 * ``launch(store, pieces, state, ready)`` starts (or does) every copy of the job and
   returns a handle; ``finish(handle)`` waits for them and returns the copy seconds. Either
   may raise: the engine turns an exception into a failed result at once. A job that
