@@ -3,6 +3,7 @@ index rebuild speed and index memory.
 
 Run: .venv/bin/python bench/bench_disk.py [--dir DIR] [--mib 128] [--reps 3] [--threads 4]
      [--throughput-only] [--no-file-per-block] [--before-src DIR] [--quick]
+     [--pool interleaved|tensor-major|both]
 
 Everything runs in one folder (``--dir``, default a fresh folder under /tmp) in one run:
 
@@ -16,7 +17,9 @@ Everything runs in one folder (``--dir``, default a fresh folder under /tmp) in 
   write/read of the same bytes (8 MiB ``write``/``readinto`` calls, one thread:
   ``dd``-like). ``--before-src`` adds the slot file of another source tree, run in a
   child process on the same bytes. Blocks come from a real ``HostBlockPool`` of 32 layer
-  tensors (a per-layer layout: each block is 32 pages).
+  tensors; ``--pool`` picks its layout: *interleaved* (the default pool: a block is one
+  buffer of its 32 pages side by side) or *tensor-major* (what a pool whose host block
+  spans several device blocks has: a block is 32 pages scattered over 32 slabs), or both.
   Every layout stores twice, in the same states: *fresh* (a new file, namespace or
   files) and *reused* (the steady state of a full tier: the slot file's second fill
   evicts the first and reuses its slots; the per-block layouts delete the first fill's
@@ -164,10 +167,12 @@ class FilePerBlock:
 # -- throughput ---------------------------------------------------------------------------
 
 
-def make_pool(block_bytes: int, blocks: int) -> HostBlockPool:
+def make_pool(block_bytes: int, blocks: int, interleave: bool = True) -> HostBlockPool:
+    """A pool of ``LAYERS`` tensors, seeded bytes; ``interleave``: each block one buffer (the
+    default pool), else tensor-major (each block ``LAYERS`` scattered pages)."""
     page = block_bytes // LAYERS
     layout = KVLayout([torch.empty((1, page), dtype=torch.uint8) for _ in range(LAYERS)])
-    pool = HostBlockPool(layout, blocks, pin_memory=False)
+    pool = HostBlockPool(layout, blocks, pin_memory=False, interleave=interleave)
     rng = np.random.default_rng(0)
     for t in pool.tensors:
         t.numpy()[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
@@ -295,18 +300,20 @@ def slot_file(
     return result
 
 
-def slot_file_elsewhere(src: str, folder: str, block_bytes: int, blocks: int, threads: int) -> dict:
+def slot_file_elsewhere(
+    src: str, folder: str, block_bytes: int, blocks: int, threads: int, interleave: bool
+) -> dict:
     """``slot_file`` with the ``kvoffload`` package of another source tree (``src``, e.g.
     an earlier commit's ``git archive``), in a child process on the same bytes
     (``make_pool`` is seeded); its start-up is not timed."""
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); import bench_disk as b; "
-        "print(json.dumps(b.slot_file(sys.argv[2], b.make_pool(int(sys.argv[3]), int(sys.argv[4])), "
-        "int(sys.argv[4]), int(sys.argv[5]))))"
+        "print(json.dumps(b.slot_file(sys.argv[2], b.make_pool(int(sys.argv[3]), int(sys.argv[4]), "
+        "sys.argv[6] == '1'), int(sys.argv[4]), int(sys.argv[5]))))"
     )
     env = dict(os.environ, PYTHONPATH=src)
     argv = [sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), folder]
-    out = subprocess.run([*argv, str(block_bytes), str(blocks), str(threads)], env=env, check=True,
+    out = subprocess.run([*argv, str(block_bytes), str(blocks), str(threads), str(int(interleave))], env=env, check=True,
                          capture_output=True, text=True)  # fmt: skip
     return json.loads(out.stdout.splitlines()[-1])
 
@@ -587,6 +594,13 @@ def main() -> None:
     parser.add_argument("--no-file-per-block", action="store_true", help="skip the file-per-block layout")
     parser.add_argument("--before-src", default=None, help="also run the slot file from this src folder")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument(
+        "--pool",
+        choices=("interleaved", "tensor-major", "both"),
+        default="both",
+        help="host pool layout of the throughput cases: each block one buffer (the default "
+        "pool) or 32 scattered pages (a pool whose host block spans several device blocks)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.mib, args.blocks, args.reps = 32, 1 << 16, 1
@@ -626,15 +640,16 @@ def report(folder: str, args) -> None:
         # heap (vLLM imported: more for the garbage collector to walk) and the other not
         here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
         cases["slot file (chosen, child)"] = lambda sub, pool, blocks, buf: slot_file_elsewhere(
-            here, sub, pool_bytes(pool), blocks, threads
+            here, sub, pool_bytes(pool), blocks, threads, pool.interleaved
         )
         cases["slot file (before)"] = lambda sub, pool, blocks, buf: slot_file_elsewhere(
-            args.before_src, sub, pool_bytes(pool), blocks, threads
+            args.before_src, sub, pool_bytes(pool), blocks, threads, pool.interleaved
         )
     all_runs = {}
-    for block_bytes in (256 << 10, 2 << 20):
+    pools = {"interleaved": [True], "tensor-major": [False], "both": [True, False]}[args.pool]
+    for block_bytes, interleave in ((b, i) for i in pools for b in (256 << 10, 2 << 20)):
         blocks = (args.mib << 20) // block_bytes
-        pool = make_pool(block_bytes, blocks)
+        pool = make_pool(block_bytes, blocks, interleave)
         buf = np.concatenate([t.numpy().reshape(-1) for t in pool.tensors])
         sequential(folder, len(buf), buf)  # warm-up: a VM backs fresh page-cache memory slowly
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
@@ -645,23 +660,23 @@ def report(folder: str, args) -> None:
                 runs[name].append(case(sub, pool, blocks, buf))
                 shutil.rmtree(sub)
         del buf, pool
-        all_runs[block_bytes] = runs
+        all_runs[f"{block_bytes >> 10} KiB, {'interleaved' if interleave else 'tensor-major'}"] = runs
     print(header)
     print(rule)
-    for block_bytes, runs in all_runs.items():
+    for case, runs in all_runs.items():
         for name, rs in runs.items():
             cells = " | ".join(f"{statistics.median(r[c] for r in rs) / gb:.2f}" for c in COLUMNS)
-            print(f"| {block_bytes >> 10} KiB | {name} | {cells} |")
+            print(f"| {case} | {name} | {cells} |")
 
     def ratio_rows(name: str, against: str) -> None:
-        for block_bytes, runs in all_runs.items():
+        for case, runs in all_runs.items():
             per_run = [{c: a[c] / b[c] for c in COLUMNS} for a, b in zip(runs[name], runs[against])]
             cells = " | ".join(
                 f"{statistics.median(r[c] for r in per_run):.2f} "
                 f"({min(r[c] for r in per_run):.2f}-{max(r[c] for r in per_run):.2f})"
                 for c in COLUMNS
             )
-            print(f"| {block_bytes >> 10} KiB | {name} | {cells} |")
+            print(f"| {case} | {name} | {cells} |")
 
     print(
         "\nRatios taken within each run (variant / reference of the same repetition), "
@@ -684,7 +699,7 @@ def report(folder: str, args) -> None:
     )
     print("| block | layout | store fresh | store reused | load (cold) | load (warm) |")
     print("|---|---|---|---|---|---|")
-    for block_bytes, runs in all_runs.items():
+    for case, runs in all_runs.items():
         base = runs["sequential baseline"]
         for name, rs in runs.items():
             cells = " | ".join(
@@ -692,7 +707,7 @@ def report(folder: str, args) -> None:
                 f"({statistics.median(r[c] / b[c] for r, b in zip(rs, base)):.2f})"
                 for c in cpu_cols
             )
-            print(f"| {block_bytes >> 10} KiB | {name} | {cells} |")
+            print(f"| {case} | {name} | {cells} |")
     print(f"\nLoad average at the end of the throughput runs: {loadavg()}")
     if args.throughput_only:
         return

@@ -84,8 +84,12 @@ def bench_case(
     kv = {f"layer{i}": torch.full((DEVICE_BLOCKS, page), i, dtype=torch.uint8) for i in range(LAYERS)}
     layout = KVLayout.from_layer_tensors(kv)
     pool = HostBlockPool(layout, DEVICE_BLOCKS // f, blocks_per_offload_block=f)
-    for t in pool.tensors:
-        t.fill_(255)  # touch the pages so first-use faults stay out of the timings
+    pools = [(pool, native) for native in copiers]
+    if f == 1:  # the block-interleaved pool (what a disk tier prefers), same copier as the first
+        pools.append((HostBlockPool(layout, DEVICE_BLOCKS, interleave=True), copiers[0]))
+    for p in {id(p): p for p, _ in pools}.values():
+        for t in p.tensors:
+            t.fill_(255)  # touch the pages so first-use faults stay out of the timings
     nbytes = LAYERS * JOB_BLOCKS * page
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
@@ -102,10 +106,10 @@ def bench_case(
     engines = [
         TransferEngine(
             layout,
-            pool,
-            executor=CPUExecutor(layout, pool, copy_threads=copies.threads, native_copies=native),
+            p,
+            executor=CPUExecutor(layout, p, copy_threads=copies.threads, native_copies=native),
         )
-        for native in copiers
+        for p, native in pools
     ]
     try:
         job_id = 0
@@ -160,7 +164,7 @@ def bench_case(
                         nbytes / statistics.median(s[2][i] for s in samples) / 1e9,
                         statistics.median(min(s[0], s[1]) / s[2][i] for s in samples),
                     )
-                    for i in range(len(copiers))
+                    for i in range(len(engines))
                 ],
             }
         )
@@ -200,6 +204,7 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
         f"{LAYERS} layers x {JOB_BLOCKS} blocks per job, median of {reps}\n"
     )
+    names.append(f"interleaved pool, {names[0]}")
     job_heads = "".join(f" {n} job GB/s | {n} job / faster copy |" for n in names)
     print(
         f"| direction | ids | page | F | job MiB | torch copy GB/s | pool copy GB/s |{job_heads}"
@@ -212,7 +217,10 @@ def main() -> None:
             for f in (1, 4):
                 for pattern in PATTERNS:
                     for row in bench_case(page, f, pattern, reps, rng, copies, copiers):
-                        jobs = "".join(f" {gbs:.1f} | {ratio:.2f} |" for gbs, ratio in row["jobs"])
+                        cells = row["jobs"] + [(None, None)] * (len(names) - len(row["jobs"]))
+                        jobs = "".join(
+                            " - | - |" if gbs is None else f" {gbs:.1f} | {ratio:.2f} |" for gbs, ratio in cells
+                        )
                         print(
                             f"| {row['direction']} | {row['pattern']} | {row['page'] >> 10} KiB | {row['f']} "
                             f"| {row['mb']:.0f} | {row['torch_gbs']:.1f} | {row['pool_gbs']:.1f} |{jobs}"

@@ -78,10 +78,11 @@ def test_interleaving_needs_one_device_block_per_host_block():
         HostBlockPool(layout(), 4, 2, interleave=True)
 
 
-def test_cpu_layouts_default_to_tensor_major_and_pageable():
+def test_pools_interleave_by_default_unless_a_host_block_spans_several_device_blocks():
     pool = HostBlockPool(layout(), 4)
-    assert not pool.interleaved
+    assert pool.interleaved
     assert pool.pinned == torch.cuda.is_available()
+    assert not HostBlockPool(layout(), 4, 2).interleaved
 
 
 @pytest.mark.parametrize("interleave", [True, False])

@@ -11,11 +11,15 @@ device-sized sub-blocks ``b*F .. b*F+F-1``. Views:
 * ``region``: the one 1-D allocation all views share, of exactly ``nbytes`` bytes;
   ``row_offset(t)`` and ``row_stride(t)`` locate row ``r`` of ``sub_blocks(t)`` in it.
 
-Memory layout. Tensor-major (one contiguous slab per tensor) by default. ``interleave``
-(the default for CUDA layouts with F = 1) puts every tensor's page of a block side by
-side, so a run of consecutive host ids is one contiguous byte range across all layers and
-crosses the bus in one copy; with F > 1 the two views above cannot both exist over an
-interleaved region, so it is refused.
+Memory layout. ``interleave`` (the default whenever F = 1) puts every tensor's page of a
+block side by side: a block is one contiguous byte range across all layers, so it crosses
+the bus in one copy, goes to disk or to Redis as one buffer, and a run of consecutive host
+ids is one range. Tensor-major (one contiguous slab per tensor) is the layout for F > 1,
+where the two views above cannot both exist over an interleaved region. Why interleaved
+on the CPU build too: the CPU executor copies pages either way at the same speed
+(``bench/bench_transfer.py``, interleaved column), while a disk tier writing a block of
+32 scattered pages stores at 0.36-0.55 of a sequential write and one buffer per block at
+0.9-1.0 (``bench/bench_disk.py --pool``; BENCHMARKS.md, disk tier run 6).
 
 Pinning. One region of exactly the pool's size, mapped anonymously (page-aligned, pages
 zero-filled on first touch), then, chunk by chunk on several threads, faulted in
@@ -122,8 +126,8 @@ class HostBlockPool:
         prefault: bool = True,
     ) -> None:
         """``pin_memory`` (default: CUDA available) registers the region; ``registrar``
-        replaces the CUDA runtime's (tests). ``interleave`` (default: a CUDA layout with
-        F = 1) chooses the block-interleaved layout. ``prefault`` faults a pageable region
+        replaces the CUDA runtime's (tests). ``interleave`` (default: F = 1) chooses the
+        block-interleaved layout. ``prefault`` faults a pageable region
         in at once (a pinned one always is)."""
         non_negative_int("num_host_blocks", num_host_blocks)
         f = positive_int("blocks_per_offload_block", blocks_per_offload_block)
@@ -131,7 +135,7 @@ class HostBlockPool:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         if interleave is None:
-            interleave = layout.device.type == "cuda" and f == 1
+            interleave = f == 1
         if interleave and f != 1:
             raise ValueError(f"an interleaved host pool needs blocks_per_offload_block=1, got {f}")
         self.layout = layout
