@@ -8,7 +8,8 @@ PID) serves every measurement of one run:
 
 * **Throughput**: ``RedisWorker`` store jobs (``SET NX`` of checksummed values, one
   pipeline per job of ``--depth`` blocks) and load jobs (``GET``, header/key/CRC32C
-  checks, copy into the host pool) over a real ``HostBlockPool``, ``--threads`` jobs in
+  checks, copy into the host pool) over a real ``HostBlockPool`` of 32 layers (default
+  layout: interleaved, a block is one buffer), ``--threads`` jobs in
   flight, against ``redis-benchmark -t set,get -P depth -c threads -d size`` (raw
   ``SET``/``GET`` of the same value size and pipeline depth, no checksum, no copy) run
   against the same server in the same run. Target: >= 0.8x.
@@ -72,8 +73,12 @@ def start_server(folder: str, port: int) -> subprocess.Popen:
     raise RuntimeError("redis-server did not start")
 
 
+LAYERS = 32
+
+
 def make_pool(block: int, blocks: int) -> HostBlockPool:
-    kv = {"layer": torch.zeros((blocks, block), dtype=torch.uint8)}
+    """A pool of ``LAYERS`` layer tensors (a block is one page of each), default layout."""
+    kv = {f"layer{i}": torch.zeros((blocks, block // LAYERS), dtype=torch.uint8) for i in range(LAYERS)}
     pool = HostBlockPool(KVLayout.from_layer_tensors(kv), blocks)
     for t in pool.tensors:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))

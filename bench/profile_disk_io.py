@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_disk import LAYERS, make_pool  # noqa: E402
 from kvoffload.tiers.fs.format import checksum  # noqa: E402
-from kvoffload.tiers.fs.host_rows import HostRows  # noqa: E402
+from kvoffload.tiers.host_rows import HostRows  # noqa: E402
 
 
 def timed(fn) -> tuple[float, float]:

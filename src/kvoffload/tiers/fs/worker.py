@@ -32,7 +32,7 @@ Contract, beyond ``kvoffload.worker``:
 * Space: the data file is reserved ahead of the writes in chunks of slots
   (``kvoffload.tiers.fs.space``): a store writes into allocated space, never past the
   tier's ``bytes_to_use``. Host rows are handed to the kernel as byte views of the pool
-  (``kvoffload.tiers.fs.host_rows``).
+  (``kvoffload.tiers.host_rows``).
 * Stores are declined (failed, counted as ``floor_declines``) when reserving the job's
   not-yet-reserved chunks would leave the file system less free space than the floor:
   ``max(min_free_bytes, min_free_fraction * file-system size)`` (both 0: no floor, no
@@ -63,7 +63,7 @@ from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, CPULoadStoreSpec, DiskLoadS
 from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock
 from kvoffload.tiers.fs.direct import DIRECT_ALIGN
 from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
-from kvoffload.tiers.fs.host_rows import HostRows
+from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.fs.namespace import namespace_digest, open_namespace_dir
 from kvoffload.tiers.fs.space import SlotSpace
 from kvoffload.validation import positive_int

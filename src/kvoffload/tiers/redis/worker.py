@@ -42,10 +42,9 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, CPULoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
+from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.redis.calls import NodeCalls, NodeDown
 from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode, head
 from kvoffload.tiers.redis.pipelines import get_into, set_nx
@@ -92,10 +91,10 @@ class RedisWorker(OffloadingWorker):
         ttl: int | None = None,
     ) -> None:
         self.host_pool = host_pool
-        self._rows = [t.numpy() for t in host_pool.tensors]  # (num_host_blocks, row bytes)
-        self.block_bytes = sum(int(r.shape[1]) for r in self._rows)
-        # rows are sent from and read into as buffers: each must be contiguous
-        self._streamable = all(r.shape[1] == 0 or r.strides[1] == 1 for r in self._rows)
+        # a block's rows as the fewest byte views (one for an interleaved pool): what
+        # sendmsg sends from and recvmsg_into receives into
+        self._host = HostRows(host_pool)
+        self.block_bytes = self._host.block_bytes
         self.calls = calls
         self._names = names
         self._ttl = ttl
@@ -147,11 +146,8 @@ class RedisWorker(OffloadingWorker):
                 TransferResult(job_id, error is None, moved, time.perf_counter() - start, direction, error)
             )
 
-    def _payload(self, host_id: int) -> list:
-        return [rows[host_id] for rows in self._rows]
-
     def _store(self, host_ids: list[int], keys: list[bytes]) -> int:
-        digest, ttl, payload = self._names.digest, self._ttl, self._payload
+        digest, ttl, payload = self._names.digest, self._ttl, self._host.block
         names = self._names.names(keys)
         expiry = () if ttl is None else ("EX", ttl)
 
@@ -165,7 +161,7 @@ class RedisWorker(OffloadingWorker):
                 items.append((names[i], head(keys[i], rows, digest), rows))
             return set_nx(stream, items, ttl)
 
-        replies = self.calls.run(names, command, streamed if self._streamable else None)
+        replies = self.calls.run(names, command, streamed)
         down = next((r for r in replies if isinstance(r, NodeDown)), None)
         with self._lock:
             self._counters.blocks_written += sum(1 for r in replies if r == b"OK")
@@ -178,13 +174,13 @@ class RedisWorker(OffloadingWorker):
 
     def _load(self, host_ids: list[int], keys: list[bytes]) -> int:
         names = self._names.names(keys)
-        digest, size, payload = self._names.digest, self.block_bytes, self._payload
+        digest, size, payload = self._names.digest, self.block_bytes, self._host.block
 
         def streamed(stream, indices: list[int]) -> list:
-            items = [(names[i], keys[i], [memoryview(r) for r in payload(host_ids[i])]) for i in indices]
+            items = [(names[i], keys[i], payload(host_ids[i])) for i in indices]
             return get_into(stream, items, digest)
 
-        values = self.calls.run(names, lambda name, _: ("GET", name), streamed if self._streamable else None)
+        values = self.calls.run(names, lambda name, _: ("GET", name), streamed)
         corrupt: list[bytes] = []
         failure = None
         for host_id, key, name, value in zip(host_ids, keys, names, values):
@@ -201,16 +197,15 @@ class RedisWorker(OffloadingWorker):
             try:
                 if isinstance(value, CorruptValue):
                     raise value
-                payload = decode(value, key, digest, size)
+                data = memoryview(decode(value, key, digest, size)).cast("B")
             except CorruptValue as exc:
                 corrupt.append(name)
                 failure = failure or f"block {key.hex()} is corrupt: {exc}"
                 continue
             offset = 0
-            for rows in self._rows:
-                width = rows.shape[1]
-                rows[host_id] = np.frombuffer(payload[offset : offset + width], dtype=np.uint8)
-                offset += width
+            for view in payload(host_id):
+                view[:] = data[offset : offset + len(view)]
+                offset += len(view)
         if corrupt:
             with self._lock:
                 self._counters.corrupt_values += len(corrupt)

@@ -6,7 +6,7 @@ tensor, in tensor order. ``HostRows(host_pool).block(b)`` returns those rows as 
 lie back to back in memory merged into one slice: a block-interleaved pool's block is one
 buffer, a tensor-major pool's is one per tensor. Slicing a byte view costs a fraction of
 indexing a numpy array and casting it, which the store and load paths did per page
-(``bench/profile_disk_io.py``).
+(``bench/profile_disk_io.py``). The disk and the shared tier both move blocks through it.
 
 Contract: every pool tensor is 2-D uint8 ``(num_blocks, row_bytes)`` with contiguous rows
 (``HostBlockPool``'s guarantee); the views write straight into the pool's memory, and the
