@@ -2,6 +2,7 @@
 index rebuild speed and index memory.
 
 Run: .venv/bin/python bench/bench_disk.py [--dir DIR] [--mib 128] [--reps 3] [--threads 4]
+     [--store-threads 2]
      [--throughput-only] [--no-file-per-block] [--before-src DIR] [--quick]
      [--pool interleaved|tensor-major|both]
 
@@ -13,7 +14,8 @@ Everything runs in one folder (``--dir``, default a fresh folder under /tmp) in 
   ahead of the writes, plus a header file, ``kvoffload.tiers.fs``) and of a
   *file-per-block* layout written here for the comparison (one file per block named by
   its key, written to a temporary name and renamed, header + payload, the same CRC32C),
-  with the same ``--threads`` (default 4) and 16 MiB jobs, against a plain sequential
+  with the same ``--threads`` (default 4; the slot file stores with ``--store-threads``,
+  default the tier's 2) and 16 MiB jobs, against a plain sequential
   write/read of the same bytes (8 MiB ``write``/``readinto`` calls, one thread:
   ``dd``-like). ``--before-src`` adds the slot file of another source tree, run in a
   child process on the same bytes. Blocks come from a real ``HostBlockPool`` of 32 layer
@@ -74,6 +76,7 @@ from kvoffload.tiers.fs.format import DATA_FILE, HEADER_FILE, RECORD_BYTES, Geom
 from kvoffload.tiers.fs.manager import FSOffloadingManager
 from kvoffload.tiers.fs.namespace import namespace_digest
 from kvoffload.tiers.fs.vectored import preadv_all
+from kvoffload.tiers.fs.tier import STORE_THREADS
 from kvoffload.tiers.fs.worker import FSWorker
 from kvoffload.transfer import HostBlockPool, KVLayout
 
@@ -246,11 +249,17 @@ def sequential(folder: str, nbytes: int, buf: np.ndarray) -> dict[str, float]:
 
 
 def slot_file(
-    folder: str, pool: HostBlockPool, blocks: int, threads: int, direct_reads: bool = True
+    folder: str,
+    pool: HostBlockPool,
+    blocks: int,
+    threads: int,
+    direct_reads: bool = True,
+    store_threads: int = STORE_THREADS,
 ) -> dict[str, float]:
     """``FSWorker``: a tier of exactly ``blocks`` slots filled with keys A (fresh: a new
     namespace), then with keys B, which evict A and reuse its slots (reused); loads of B
-    (``direct_reads=False``: every load through the page cache)."""
+    (``direct_reads=False``: every load through the page cache). ``threads`` load,
+    ``store_threads`` store."""
     block_bytes = sum(int(t.shape[1]) for t in pool.tensors)
     nbytes = blocks * block_bytes
     bytes_to_use = blocks * Geometry(block_bytes).stored_block_bytes
@@ -261,7 +270,7 @@ def slot_file(
         "slots",
         bytes_to_use,
         load_threads=threads,
-        store_threads=threads,
+        store_threads=store_threads,
         direct_reads=direct_reads,
     )
     per_job = max(1, JOB_BYTES // block_bytes)
@@ -590,6 +599,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1 << 20, help="blocks for rebuild and index memory")
     parser.add_argument("--reps", type=int, default=3, help="runs per throughput case (median)")
     parser.add_argument("--threads", type=int, default=THREADS, help="I/O threads of every layout")
+    parser.add_argument(
+        "--store-threads",
+        type=int,
+        default=STORE_THREADS,
+        help="store threads of the chosen slot file (default: the tier's); its loads use --threads",
+    )
     parser.add_argument("--throughput-only", action="store_true", help="skip latency, rebuild, memory")
     parser.add_argument("--no-file-per-block", action="store_true", help="skip the file-per-block layout")
     parser.add_argument("--before-src", default=None, help="also run the slot file from this src folder")
@@ -618,15 +633,18 @@ def report(folder: str, args) -> None:
     threads = args.threads
     print(
         f"### Throughput, GB/s ({args.mib} MiB per case, median of {args.reps} runs taken in turns, "
-        f"{threads} I/O threads for every layout but the one-thread baseline, blocks of {LAYERS} pages)\n"
+        f"{threads} I/O threads for every layout but the one-thread baseline, except the slot file's "
+        f"{args.store_threads} store threads; blocks of {LAYERS} pages)\n"
     )
     header = "| block | layout | " + " | ".join(HEADERS) + " |"
     rule = "|---|---|" + "---|" * len(HEADERS)
     cases = {
         "sequential baseline": lambda sub, pool, blocks, buf: sequential(sub, blocks * pool_bytes(pool), buf),
-        "slot file (chosen)": lambda sub, pool, blocks, buf: slot_file(sub, pool, blocks, threads),
+        "slot file (chosen)": lambda sub, pool, blocks, buf: slot_file(
+            sub, pool, blocks, threads, store_threads=args.store_threads
+        ),
         "slot file, page cache only": lambda sub, pool, blocks, buf: slot_file(
-            sub, pool, blocks, threads, direct_reads=False
+            sub, pool, blocks, threads, direct_reads=False, store_threads=args.store_threads
         ),
         "file per block": lambda sub, pool, blocks, buf: file_per_block(sub, pool, blocks, threads),
         "vLLM 0.32 fs tier": lambda sub, pool, blocks, buf: vllm_fs(

@@ -8,7 +8,7 @@ Keys of its entry (errors name the key and the value):
 * ``bytes_to_use`` (required): the most bytes of blocks (headers included) this tier keeps.
 * ``min_free_fraction`` (default 0.05): stores are declined while the file system has less
   free space than this fraction of its size.
-* ``load_threads``, ``store_threads`` (default 4 each): the worker's I/O threads.
+* ``load_threads`` (default 4), ``store_threads`` (default 2): the worker's I/O threads.
 * ``fsync`` (default false): flush every stored block to the device before it counts as
   stored (survives power loss, not only a process crash).
 * ``verify_on_start`` (default false): check every block's checksum when rebuilding the
@@ -31,6 +31,15 @@ from kvoffload.tiers.secondary import SecondaryTierType, TierContext
 from kvoffload.validation import positive_int
 from kvoffload.worker import OffloadingWorker
 
+# Default I/O threads. Stores: buffered writes into one file are serialised by the file
+# system (ext4 takes the inode lock per write), so a second thread only overlaps one
+# run's CRC32C and Python with another's write; more contend for the lock and cost CPU
+# (BENCHMARKS.md, disk tier run 6: 2 threads stored 0.79 and 0.67 of the baseline where 4
+# stored 0.66 and 0.63, at 0.86-0.99x their CPU). Loads: parallel direct reads keep the
+# device's queue full.
+STORE_THREADS = 2
+LOAD_THREADS = 4
+
 _KNOWN = ("root_dir", "bytes_to_use", "min_free_fraction", "load_threads", "store_threads", "fsync",
           "verify_on_start", "direct_reads")  # fmt: skip
 
@@ -43,8 +52,8 @@ class FSTierType(SecondaryTierType):
         root_dir: str,
         bytes_to_use: int,
         min_free_fraction: float = 0.05,
-        load_threads: int = 4,
-        store_threads: int = 4,
+        load_threads: int = LOAD_THREADS,
+        store_threads: int = STORE_THREADS,
         fsync: bool = False,
         verify_on_start: bool = False,
         direct_reads: bool = True,
@@ -88,8 +97,8 @@ class FSTierType(SecondaryTierType):
             root_dir,
             positive_int("bytes_to_use", options["bytes_to_use"]),
             float(fraction),
-            positive_int("load_threads", options.get("load_threads", 4)),
-            positive_int("store_threads", options.get("store_threads", 4)),
+            positive_int("load_threads", options.get("load_threads", LOAD_THREADS)),
+            positive_int("store_threads", options.get("store_threads", STORE_THREADS)),
             **flags,
         )
 

@@ -66,6 +66,7 @@ from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
 from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.fs.namespace import namespace_digest, open_namespace_dir
 from kvoffload.tiers.fs.space import SlotSpace
+from kvoffload.tiers.fs.tier import LOAD_THREADS, STORE_THREADS
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 
@@ -125,8 +126,8 @@ class FSWorker(OffloadingWorker):
         namespace: str,
         bytes_to_use: int,
         *,
-        load_threads: int = 4,
-        store_threads: int = 4,
+        load_threads: int = LOAD_THREADS,
+        store_threads: int = STORE_THREADS,
         min_free_fraction: float = 0.05,
         min_free_bytes: int = 0,
         fsync: bool = False,
