@@ -5,6 +5,11 @@ Contract: ``parse(kind, body)`` returns the request struct of ``kind`` (``regist
 whose message names the field and, where there is one, the bad value. Unknown fields are
 ignored. Mooncake's names are accepted as aliases: ``model`` and ``modelname`` for
 ``model_name``, ``seq_hashes`` for ``block_hashes``.
+
+Block hashes are kept as raw JSON while the body is decoded and then parsed by
+``kvoffload.index._hashfind.parse_hashes`` straight into uint64 (no Python int per hash)
+when that optional extension was built; anything it does not take (and everything
+without it) goes through msgspec and ``hash_array``, which name the bad value.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from typing import Annotated
 
 import msgspec
 import numpy as np
+
+try:
+    from kvoffload.index import _hashfind
+except ImportError:  # built without a C compiler
+    _hashfind = None
 
 _I64_MIN = -(1 << 63)
 _U64_LIMIT = 1 << 64
@@ -63,9 +73,13 @@ class QueryRequest(_Named):
     cache_salt: str | None = None
 
 
+_ABSENT = msgspec.Raw(b"")
+
+
 class QueryByHashRequest(_Named):
-    block_hashes: list[int] | None = None
-    seq_hashes: list[int] | None = None
+    # raw JSON (``_ABSENT`` when missing) until ``parse`` turns it into uint64
+    block_hashes: msgspec.Raw = _ABSENT
+    seq_hashes: msgspec.Raw = _ABSENT
     tenant_id: str = "default"
     lora_name: str | None = None
 
@@ -107,11 +121,33 @@ def parse(kind: str, body: bytes) -> _Named:
     elif isinstance(request, QueryRequest):
         _require(request, "token_ids")
     elif isinstance(request, QueryByHashRequest):
-        if request.block_hashes is None:
-            request.block_hashes = request.seq_hashes
-        _require(request, "block_hashes")
-        request.block_hashes = hash_array(request.block_hashes)  # type: ignore[assignment]
+        hashes = None
+        for field in ("block_hashes", "seq_hashes"):  # the first one given and not null
+            raw = getattr(request, field)
+            hashes = _hashes(raw, field) if len(raw) else None
+            if hashes is not None:
+                break
+        if hashes is None:
+            raise BadRequest("block_hashes", "block_hashes is required")
+        request.block_hashes = hashes  # type: ignore[assignment]
     return request
+
+
+_HASH_LIST = msgspec.json.Decoder(list[int] | None)
+
+
+def _hashes(raw: msgspec.Raw, field: str) -> np.ndarray | None:
+    """The uint64 hashes of a raw JSON value (``None`` for ``null``)."""
+    if _hashfind is not None:
+        parsed = _hashfind.parse_hashes(raw)
+        if parsed is not None:
+            return np.frombuffer(parsed, dtype=np.uint64)
+    try:
+        hashes = _HASH_LIST.decode(raw)
+    except msgspec.ValidationError as exc:
+        where = str(exc).replace("`$", f"`$.{field}")  # the path as in the whole body
+        raise BadRequest(field, f"invalid {field}: {where}") from None
+    return None if hashes is None else hash_array(hashes)
 
 
 def _name_a_negative_token(body: bytes) -> None:

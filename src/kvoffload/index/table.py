@@ -26,6 +26,8 @@ Contract:
   both buckets of a new hash are full; a slot is 8 bytes of key and 8 of mask per 16
   engines.
 * Not thread-safe: the index serializes access.
+* The probe runs in C (``kvoffload.index._hashfind.find``) when that optional extension
+  was built, in numpy otherwise; both give the same slots.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+
+try:
+    from kvoffload.index import _hashfind
+except ImportError:  # built without a C compiler: the numpy probe
+    _hashfind = None
 
 WAYS = 8  # slots per bucket: one 64-byte cache line of keys
 MAX_LOAD = 0.5  # low enough that a hash's first bucket almost always has room
@@ -236,6 +243,14 @@ class BlockTable:
     def _find(self, keys: np.ndarray) -> np.ndarray:
         """Flat slot of each key, -1 where absent. The key 0 finds some empty slot (mask 0):
         callers keep it out, or (lookups) read its mask as nothing and patch it."""
+        if _hashfind is None:
+            return self._find_numpy(keys)
+        pos = np.empty(len(keys), dtype=np.intp)
+        _hashfind.find(self.keys, np.ascontiguousarray(keys, dtype=np.uint64), int(self._shift), pos)
+        return pos
+
+    def _find_numpy(self, keys: np.ndarray) -> np.ndarray:
+        """``_find`` without the C extension."""
         bucket = ((keys * _M1) >> self._shift).astype(np.intp)
         rows, ways = _one_per_row(self._rows(bucket) == keys[:, None])
         pos = np.full(len(keys), -1, dtype=np.intp)
