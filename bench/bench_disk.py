@@ -75,8 +75,8 @@ from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.tiers.fs.format import DATA_FILE, HEADER_FILE, RECORD_BYTES, Geometry, checksum, pack_record
 from kvoffload.tiers.fs.manager import FSOffloadingManager
 from kvoffload.tiers.fs.namespace import namespace_digest
-from kvoffload.tiers.fs.vectored import preadv_all
 from kvoffload.tiers.fs.tier import STORE_THREADS
+from kvoffload.tiers.fs.vectored import preadv_all
 from kvoffload.tiers.fs.worker import FSWorker
 from kvoffload.transfer import HostBlockPool, KVLayout
 
@@ -322,8 +322,8 @@ def slot_file_elsewhere(
     )
     env = dict(os.environ, PYTHONPATH=src)
     argv = [sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), folder]
-    out = subprocess.run([*argv, str(block_bytes), str(blocks), str(threads), str(int(interleave))], env=env, check=True,
-                         capture_output=True, text=True)  # fmt: skip
+    argv += [str(block_bytes), str(blocks), str(threads), str(int(interleave))]
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.splitlines()[-1])
 
 

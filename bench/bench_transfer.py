@@ -219,7 +219,8 @@ def main() -> None:
                     for row in bench_case(page, f, pattern, reps, rng, copies, copiers):
                         cells = row["jobs"] + [(None, None)] * (len(names) - len(row["jobs"]))
                         jobs = "".join(
-                            " - | - |" if gbs is None else f" {gbs:.1f} | {ratio:.2f} |" for gbs, ratio in cells
+                            " - | - |" if gbs is None else f" {gbs:.1f} | {ratio:.2f} |"
+                            for gbs, ratio in cells
                         )
                         print(
                             f"| {row['direction']} | {row['pattern']} | {row['page'] >> 10} KiB | {row['f']} "

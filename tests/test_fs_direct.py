@@ -17,9 +17,9 @@ from kvoffload.keys import make_offload_key
 from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.tiers.fs.direct import DIRECT_ALIGN, PayloadReader, cache_state
 from kvoffload.tiers.fs.format import DATA_FILE, Geometry
-from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.fs.manager import FSOffloadingManager
 from kvoffload.tiers.fs.worker import FSWorker
+from kvoffload.tiers.host_rows import HostRows
 from kvoffload.transfer import HostBlockPool, KVLayout
 
 PAGE = 8192  # bytes per tensor row: aligned for O_DIRECT

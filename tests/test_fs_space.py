@@ -15,9 +15,9 @@ import torch
 from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock
 from kvoffload.tiers.fs.format import DATA_FILE, HEADER_FILE, Geometry
-from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.fs.namespace import namespace_digest
 from kvoffload.tiers.fs.space import SlotSpace, fallocate
+from kvoffload.tiers.host_rows import HostRows
 from kvoffload.transfer import HostBlockPool, KVLayout
 from test_fs_worker import Tier, host_block, k, make_pool
 

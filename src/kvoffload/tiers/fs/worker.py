@@ -63,10 +63,10 @@ from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, CPULoadStoreSpec, DiskLoadS
 from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock
 from kvoffload.tiers.fs.direct import DIRECT_ALIGN
 from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
-from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.fs.namespace import namespace_digest, open_namespace_dir
 from kvoffload.tiers.fs.space import SlotSpace
 from kvoffload.tiers.fs.tier import LOAD_THREADS, STORE_THREADS
+from kvoffload.tiers.host_rows import HostRows
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 
