@@ -11,9 +11,8 @@ import pytest
 from kvoffload.index import requests
 from kvoffload.index.table import WAYS, BlockTable, _hashfind
 
-pytestmark = pytest.mark.skipif(
-    _hashfind is None, reason="could not import kvoffload.index._hashfind (not built: no C compiler at install)"
-)
+NOT_BUILT = "could not import kvoffload.index._hashfind (not built: no C compiler at install)"
+pytestmark = pytest.mark.skipif(_hashfind is None, reason=NOT_BUILT)
 
 U64_MAX = (1 << 64) - 1
 I64_MIN = -(1 << 63)
