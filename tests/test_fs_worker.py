@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -176,6 +177,40 @@ def test_jobs_of_each_direction_complete_in_submission_order(tmp_path):
         )
     w.wait(range(200, 206))
     assert [r.job_id for r in w.poll()] == list(range(200, 206))
+    tier.close()
+
+
+def test_a_job_runs_beside_the_previous_one_but_its_result_waits_for_it(tmp_path):
+    """No barrier between jobs: the second job's runs move while the first job's are still
+    running; its result is posted only after the first job's."""
+    pool = make_pool()
+    tier = Tier(tmp_path, pool, blocks=32, store_threads=2)
+    w, m = tier.worker, tier.manager
+    first = m.prepare_store([k(i) for i in range(4)])
+    second = m.prepare_store([k(i) for i in range(4, 8)])
+    held, release, second_written = threading.Event(), threading.Event(), threading.Event()
+    write_run = w.files.write_run
+    first_slot = min(int(s) for s in first.store_spec.block_ids)
+
+    def gated(slot, keys, blocks):
+        if slot == first_slot:
+            held.set()
+            assert release.wait(10)
+        write_run(slot, keys, blocks)
+        if slot != first_slot:
+            second_written.set()
+
+    w.files.write_run = gated
+    w.submit(1, CPULoadStoreSpec([0, 1, 2, 3]), first.store_spec)
+    assert held.wait(10)
+    w.submit(2, CPULoadStoreSpec([4, 5, 6, 7]), second.store_spec)
+    assert second_written.wait(10), "the second job waited for the first one to finish"
+    time.sleep(0.05)
+    assert w.poll() == []
+    release.set()
+    w.wait([1, 2])
+    results = w.poll()
+    assert [r.job_id for r in results] == [1, 2] and all(r.success for r in results)
     tier.close()
 
 

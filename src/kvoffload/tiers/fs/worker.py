@@ -17,13 +17,14 @@ Contract, beyond ``kvoffload.worker``:
   class; ``ValueError`` naming the bad value (host id or slot out of range, counts that
   differ, a key too long, a slot written twice or a host block loaded twice in one job, a
   job id already in flight); ``RuntimeError`` after ``close``.
-* Jobs of one direction run and complete in submission order; the blocks of a job are
-  taken in slot order (the order in a job does not matter; a full tier's manager hands
-  out evicted slots last-freed first, i.e. descending) and cut into one contiguous share
-  per thread of that direction's bounded pool (``load_threads``/``store_threads``);
-  within a share, runs of consecutive slots move in one batch each
-  (``BlockFiles.write_run``/``read_run``: three syscalls per run rather than three per
-  block). Loads and stores overlap.
+* Jobs of one direction complete in submission order. The blocks of a job are taken in
+  slot order (the order in a job does not matter; a full tier's manager hands out evicted
+  slots last-freed first, i.e. descending) and cut into runs of consecutive slots, up to
+  ~1 MiB each, that move in one batch each (``BlockFiles.write_run``/``read_run``: three
+  syscalls per run rather than three per block). The direction's threads
+  (``load_threads``/``store_threads``) take runs from one queue in submission order, so
+  the next job's runs start while a job's last ones finish: no thread waits at a job's
+  end. Loads and stores overlap.
 * A job fails as a whole (``success=False``, ``bytes=0``, ``error`` naming the first
   failing key or the condition); the caller must not make its blocks loadable. A failed
   store leaves each slot either empty or intact. A failed load leaves its host rows
@@ -52,8 +53,8 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,6 +109,10 @@ class _Job:
     host_ids: list[int]
     slots: list[int]
     keys: list[bytes]
+    # set while it runs (under the worker's lock, but for ``error``'s first write):
+    start: float = 0.0
+    runs_left: int = 0  # runs not finished; 0 once dispatched: the job is done
+    error: str | None = None  # the first failure; the job's later runs are skipped
 
 
 class _Failed(Exception):
@@ -168,17 +173,20 @@ class FSWorker(OffloadingWorker):
         self._counters = FSWorkerCounters()
         self._jobs = JobBook()
         self._lock = self._jobs.lock  # also guards the counters
-        self._pools = {
-            STORE: ThreadPoolExecutor(store_threads, thread_name_prefix="kvoffload-fs-store"),
-            LOAD: ThreadPoolExecutor(load_threads, thread_name_prefix="kvoffload-fs-load"),
-        }
         self._threads_per = {STORE: store_threads, LOAD: load_threads}
-        self._queues: dict[str, queue.Queue] = {STORE: queue.Queue(), LOAD: queue.Queue()}
-        self._threads = [
+        self._queues: dict[str, queue.SimpleQueue] = {STORE: queue.SimpleQueue(), LOAD: queue.SimpleQueue()}
+        self._runs: dict[str, queue.SimpleQueue] = {STORE: queue.SimpleQueue(), LOAD: queue.SimpleQueue()}
+        self._order: dict[str, deque[_Job]] = {STORE: deque(), LOAD: deque()}  # dispatched, unpublished
+        self._dispatchers = [
             threading.Thread(target=self._dispatch, args=(d,), name=f"kvoffload-fs-{d}", daemon=True)
             for d in (STORE, LOAD)
         ]
-        for thread in self._threads:
+        self._movers = [
+            threading.Thread(target=self._move, args=(d,), name=f"kvoffload-fs-{d}-{i}", daemon=True)
+            for d in (STORE, LOAD)
+            for i in range(self._threads_per[d])
+        ]
+        for thread in self._dispatchers + self._movers:
             thread.start()
 
     @property
@@ -233,54 +241,84 @@ class FSWorker(OffloadingWorker):
     # -- running -------------------------------------------------------------------------
 
     def _dispatch(self, direction: str) -> None:
-        jobs = self._queues[direction]
+        """Takes the direction's jobs in order: the per-job step (the free-space floor of a
+        store, the record read-ahead of a load), then its runs onto the movers' queue."""
+        jobs, runs = self._queues[direction], self._runs[direction]
         while (job := jobs.get()) is not None:
-            start = time.perf_counter()
+            job.start = time.perf_counter()
             try:
-                nbytes = self._run(direction, job)
-                result = TransferResult(job.job_id, True, nbytes, time.perf_counter() - start, direction)
+                pieces = self._prepare(job)
             except Exception as exc:  # a job's failure never stops the worker
-                message = str(exc) if isinstance(exc, _Failed) else f"{type(exc).__name__}: {exc}"
-                if not isinstance(exc, _Failed):
-                    self._count("other_errors")
-                result = TransferResult(job.job_id, False, 0, 0.0, direction, message)
+                pieces = []
+                job.error = self._message(exc)
             with self._lock:
-                counters = self._counters
-                if job.store:
-                    counters.stores += result.success
-                    counters.stores_failed += not result.success
-                else:
-                    counters.loads += result.success
-                    counters.loads_failed += not result.success
-                self._jobs.finish(result)
+                job.runs_left = len(pieces)
+                self._order[direction].append(job)
+                if not pieces:
+                    self._publish(direction)
+            for run in pieces:
+                runs.put((job, run))
+        for _ in range(self._threads_per[direction]):
+            runs.put(None)
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            setattr(self._counters, name, getattr(self._counters, name) + n)
-
-    def _run(self, direction: str, job: _Job) -> int:
+    def _prepare(self, job: _Job) -> list[range]:
         count = len(job.slots)
         if not count:
-            return 0
+            return []
         if job.store:
             self._check_floor(job)
         elif job.slots[-1] - job.slots[0] < 4 * count:  # dense enough to read every record
             self.files.prefetch_records(job.slots[0], job.slots[-1])
-        threads = min(self._threads_per[direction], count)
-        chunks = [range(i * count // threads, (i + 1) * count // threads) for i in range(threads)]
-        stop = threading.Event()
-        work = self._store_blocks if job.store else self._load_blocks
-        futures = [self._pools[direction].submit(work, job, chunk, stop) for chunk in chunks]
-        errors = [f.exception() for f in futures]
-        failure = next((e for e in errors if e is not None), None)
-        if failure is not None:
-            raise failure
-        nbytes = count * self.geometry.payload_bytes
-        name = "written" if job.store else "read"
+        return _runs(job.slots, self._run_blocks)
+
+    def _move(self, direction: str) -> None:
+        """One of the direction's threads: moves runs until the dispatcher says stop."""
+        runs = self._runs[direction]
+        move = self._store_run if direction == STORE else self._load_run
+        while (item := runs.get()) is not None:
+            job, run = item
+            if job.error is None:  # after a failure the job's other runs are skipped
+                try:
+                    move(job, run)
+                except Exception as exc:  # noqa: BLE001 - the job fails, the worker goes on
+                    message = self._message(exc)
+                    with self._lock:
+                        job.error = job.error or message
+            with self._lock:
+                job.runs_left -= 1
+                if not job.runs_left:
+                    self._publish(direction)
+
+    def _message(self, exc: Exception) -> str:
+        if isinstance(exc, _Failed):
+            return str(exc)
+        self._count("other_errors")
+        return f"{type(exc).__name__}: {exc}"
+
+    def _publish(self, direction: str) -> None:
+        """Post the results of the finished jobs at the head of the direction's order
+        (with the lock held): jobs complete in submission order."""
+        order, counters = self._order[direction], self._counters
+        while order and not order[0].runs_left:
+            job = order.popleft()
+            ok = job.error is None
+            nbytes = len(job.slots) * self.geometry.payload_bytes if ok else 0
+            if job.store:
+                counters.stores += ok
+                counters.stores_failed += not ok
+                counters.blocks_written += len(job.slots) if ok else 0
+                counters.bytes_written += nbytes
+            else:
+                counters.loads += ok
+                counters.loads_failed += not ok
+                counters.blocks_read += len(job.slots) if ok else 0
+                counters.bytes_read += nbytes
+            seconds = time.perf_counter() - job.start if ok else 0.0
+            self._jobs.finish(TransferResult(job.job_id, ok, nbytes, seconds, direction, job.error))
+
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            setattr(self._counters, f"blocks_{name}", getattr(self._counters, f"blocks_{name}") + count)
-            setattr(self._counters, f"bytes_{name}", getattr(self._counters, f"bytes_{name}") + nbytes)
-        return nbytes
+            setattr(self._counters, name, getattr(self._counters, name) + n)
 
     def _check_floor(self, job: _Job) -> None:
         if not self.free_floor:  # no floor: the file system's own ENOSPC is the limit
@@ -304,46 +342,33 @@ class FSWorker(OffloadingWorker):
     def _os_error(self, exc: OSError) -> None:
         self._count(_ERRNO_COUNTER.get(exc.errno, "other_errors"))
 
-    def _store_blocks(self, job: _Job, chunk: range, stop: threading.Event) -> None:
-        block, files, space = self._host.block, self.files, self.space
-        for run in _runs(job.slots, chunk, self._run_blocks):
-            if stop.is_set():
-                return
-            first = job.slots[run.start]
-            try:
-                space.reserve(first, len(run))
-                files.write_run(first, job.keys[run.start : run.stop], [block(job.host_ids[i]) for i in run])
-            except OSError as exc:
-                stop.set()
-                self._os_error(exc)
-                key = job.keys[run.start]
-                raise _Failed(
-                    f"store of {len(run)} blocks from key {key.hex()} at slot {first} failed: {exc}"
-                ) from None
+    def _store_run(self, job: _Job, run: range) -> None:
+        first = job.slots[run.start]
+        block = self._host.block
+        try:
+            self.space.reserve(first, len(run))
+            self.files.write_run(first, job.keys[run.start : run.stop], [block(job.host_ids[i]) for i in run])
+        except OSError as exc:
+            self._os_error(exc)
+            key = job.keys[run.start].hex()
+            raise _Failed(f"store of {len(run)} blocks from key {key} at slot {first}: {exc}") from None
 
-    def _load_blocks(self, job: _Job, chunk: range, stop: threading.Event) -> None:
-        block, files = self._host.block, self.files
-        for run in _runs(job.slots, chunk, self._run_blocks):
-            if stop.is_set():
-                return
-            first = job.slots[run.start]
+    def _load_run(self, job: _Job, run: range) -> None:
+        first = job.slots[run.start]
+        block = self._host.block
+        try:
+            self.files.read_run(first, job.keys[run.start : run.stop], [block(job.host_ids[i]) for i in run])
+        except CorruptBlock as exc:
+            self._count("corrupt_blocks")
             try:
-                files.read_run(first, job.keys[run.start : run.stop], [block(job.host_ids[i]) for i in run])
-            except CorruptBlock as exc:
-                stop.set()
-                self._count("corrupt_blocks")
-                try:
-                    files.invalidate(exc.slot)
-                except OSError as inner:
-                    self._os_error(inner)
-                raise _Failed(f"load failed: {exc}") from None
-            except OSError as exc:
-                stop.set()
-                self._os_error(exc)
-                key = job.keys[run.start]
-                raise _Failed(
-                    f"load of {len(run)} blocks from key {key.hex()} at slot {first} failed: {exc}"
-                ) from None
+                self.files.invalidate(exc.slot)
+            except OSError as inner:
+                self._os_error(inner)
+            raise _Failed(f"load failed: {exc}") from None
+        except OSError as exc:
+            self._os_error(exc)
+            key = job.keys[run.start].hex()
+            raise _Failed(f"load of {len(run)} blocks from key {key} at slot {first}: {exc}") from None
 
     # -- completion ----------------------------------------------------------------------
 
@@ -361,23 +386,21 @@ class FSWorker(OffloadingWorker):
         if not self._jobs.close():
             return
         for direction in (STORE, LOAD):
-            self._queues[direction].put(None)
-        for thread in self._threads:
+            self._queues[direction].put(None)  # the dispatcher passes it on to the movers
+        for thread in self._dispatchers + self._movers:
             thread.join()
-        for pool in self._pools.values():
-            pool.shutdown()
         self.files.close()
 
 
-def _runs(slots: list[int], chunk: range, limit: int) -> list[range]:
-    """``chunk`` (indices into ``slots``) cut where the slots stop being consecutive, and
-    every ``limit`` blocks."""
+def _runs(slots: list[int], limit: int) -> list[range]:
+    """Indices into ``slots`` cut where the slots stop being consecutive, and every
+    ``limit`` blocks."""
     runs = []
-    start = chunk.start
-    for i in range(chunk.start + 1, chunk.stop):
+    start = 0
+    for i in range(1, len(slots)):
         if slots[i] != slots[i - 1] + 1 or i - start == limit:
             runs.append(range(start, i))
             start = i
-    if chunk.stop > start:
-        runs.append(range(start, chunk.stop))
+    if len(slots) > start:
+        runs.append(range(start, len(slots)))
     return runs
