@@ -16,8 +16,12 @@ Run: .venv/bin/python bench/bench_index.py [--quick]   (prints markdown tables; 
   (must be 0) and the sources' final state.
 * query: 8 engines hold 2,048-block prompts (a random device prefix, the whole prompt on
   the host, every third prompt on disk); /query_by_hash of one of those prompts over HTTP
-  on loopback (keep-alive, one client), and ``BlockIndex.query_hashes`` alone, p50/p99 over
-  1,000 queries, for an index of ~100 k and of ~1 M distinct blocks.
+  on loopback (keep-alive, one client process), and ``BlockIndex.query_hashes`` alone,
+  p50/p99 over 1,000 queries, for an index of ~100 k and of ~1 M distinct blocks. The
+  client takes turns between two connections: Python's ``http.client`` (its header parsing
+  in Python costs it about 80 us a request, which a router in Rust or Go does not pay) and
+  a plain socket that sends the prepared request and reads the reply to its
+  ``Content-Length``: the server's latency with the least client cost.
 * memory: tracemalloc's count of what 1 M distinct blocks held by 8 engines in 2 tiers
   add to an index (numpy tables included), without and with learned token chains.
 """
@@ -29,6 +33,7 @@ import http.client
 import json
 import multiprocessing as mp
 import random
+import socket
 import statistics
 import tempfile
 import time
@@ -140,21 +145,48 @@ def build_query_index(prompts: int, seed: int = 7) -> tuple[BlockIndex, list[lis
     return index, all_prompts
 
 
+def _raw_post(sock: socket.socket, request: bytes) -> bytes:
+    """Send a prepared HTTP/1.1 request; the reply's status line, headers and body."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(value) for name, _, value in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+        if name.strip().lower() == b"content-length"
+    )  # fmt: skip
+    while len(body) < length:
+        body += sock.recv(1 << 16)
+    return head + b"\r\n\r\n" + body
+
+
 def _query_client(port: int, bodies: list[bytes], queries: int, conn) -> None:
+    """Latencies of ``http.client`` and of a plain socket, request by request in turns."""
     rng = random.Random(3)
     client = http.client.HTTPConnection("127.0.0.1", port)
-    latencies = []
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    head = b"POST /query_by_hash HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    latencies: dict[str, list[float]] = {"http.client": [], "socket": []}
     for i in range(queries + 50):
         body = bodies[rng.randrange(len(bodies))]
-        start = time.perf_counter()
-        client.request("POST", "/query_by_hash", body, {"Content-Type": "application/json"})
-        response = client.getresponse()
-        payload = response.read()
-        elapsed = time.perf_counter() - start
-        assert response.status == 200, payload
-        if i >= 50:  # warm-up
-            latencies.append(elapsed)
+        for name in ("http.client", "socket") if i % 2 else ("socket", "http.client"):
+            start = time.perf_counter()
+            if name == "socket":
+                reply = _raw_post(sock, head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                ok = reply.startswith(b"HTTP/1.1 200")
+            else:
+                client.request("POST", "/query_by_hash", body, {"Content-Type": "application/json"})
+                response = client.getresponse()
+                reply = response.read()
+                ok = response.status == 200
+            elapsed = time.perf_counter() - start
+            assert ok, reply[:300]
+            if i >= 50:  # warm-up
+                latencies[name].append(elapsed)
     client.close()
+    sock.close()
     conn.send(latencies)
 
 
@@ -186,7 +218,8 @@ def bench_query(prompts: int, queries: int) -> list[tuple]:
         proc.join(30)
     return [
         ("BlockIndex.query_hashes", entries, *percentiles(core)),
-        ("HTTP /query_by_hash", entries, *percentiles(http_lat)),
+        ("HTTP /query_by_hash, http.client", entries, *percentiles(http_lat["http.client"])),
+        ("HTTP /query_by_hash, socket client", entries, *percentiles(http_lat["socket"])),
     ]
 
 
