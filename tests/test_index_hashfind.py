@@ -66,6 +66,7 @@ def test_tables_probed_in_c_and_in_numpy_agree_through_stores_removes_and_growth
         [0],
         [U64_MAX, I64_MIN, -1, 1 << 63, 12345, 10**19, 10**19 - 1, 9, 10, 99],
         np.random.default_rng(3).integers(0, 1 << 64, size=2048, dtype=np.uint64, endpoint=False).tolist(),
+        np.random.default_rng(4).integers(0, 1 << 64, size=5000, dtype=np.uint64, endpoint=False).tolist(),
     ],
 )
 @pytest.mark.parametrize("indent", [None, 2])

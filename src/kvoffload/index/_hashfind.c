@@ -69,17 +69,16 @@ static PyObject *parse_hashes(PyObject *self, PyObject *arg) {
     Py_buffer raw;
     if (PyObject_GetBuffer(arg, &raw, PyBUF_SIMPLE) < 0) return NULL;
     const char *p = (const char *)raw.buf, *end = p + raw.len;
-    /* An upper bound on the count: every value but the last is followed by a comma. */
-    Py_ssize_t bound = 1;
-    for (const char *q = p; q < end; q++) bound += (*q == ',');
-    PyObject *result = PyByteArray_FromStringAndSize(NULL, bound * (Py_ssize_t)sizeof(uint64_t));
+    /* grown by doubling as values parse: memory follows what parsed, not the body's size */
+    Py_ssize_t capacity = 2048;
+    PyObject *result = PyByteArray_FromStringAndSize(NULL, capacity * (Py_ssize_t)sizeof(uint64_t));
     if (result == NULL) {
         PyBuffer_Release(&raw);
         return NULL;
     }
     uint64_t *values = (uint64_t *)PyByteArray_AS_STRING(result);
     Py_ssize_t n = 0;
-    int ok = 0;
+    int ok = 0, failed = 0;
     p = skip_ws(p, end);
     if (p < end && *p == '[') {
         p = skip_ws(p + 1, end);
@@ -88,6 +87,14 @@ static PyObject *parse_hashes(PyObject *self, PyObject *arg) {
             p++;
         } else {
             while (1) {
+                if (n == capacity) {
+                    capacity *= 2;
+                    if (PyByteArray_Resize(result, capacity * (Py_ssize_t)sizeof(uint64_t)) < 0) {
+                        failed = 1;
+                        break;
+                    }
+                    values = (uint64_t *)PyByteArray_AS_STRING(result);
+                }
                 if (parse_one(&p, end, &values[n]) < 0) break;
                 n++;
                 p = skip_ws(p, end);
@@ -105,6 +112,10 @@ static PyObject *parse_hashes(PyObject *self, PyObject *arg) {
         if (ok && skip_ws(p, end) != end) ok = 0; /* text after the array */
     }
     PyBuffer_Release(&raw);
+    if (failed) { /* out of memory: the error is set */
+        Py_DECREF(result);
+        return NULL;
+    }
     if (!ok) {
         Py_DECREF(result);
         Py_RETURN_NONE;
