@@ -15,6 +15,7 @@ from kvoffload.transfer import (
     HostBlockPool,
     KVLayout,
     TransferEngine,
+    cpu_executor,
     native,
 )
 from kvoffload.transfer.cpu_executor import CPUExecutor
@@ -118,6 +119,27 @@ def test_small_chunks_split_large_jobs():
     layout, pool, engine = make_setup("per_layer", 1, chunk_bytes=1)
     with engine:
         run_job(engine, layout, pool, True, list(range(10)), [10, 0, 0, 0], [0, 0, 0, 0], list(range(5, 15)))
+
+
+@pytest.mark.skipif(not native.AVAILABLE, reason="could not import kvoffload.transfer._rowcopy")
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20], ids=["row_chunks", "big_chunks"])
+def test_a_native_job_is_a_few_calls_per_copy_thread_whatever_its_tensors(chunk_bytes, monkeypatch):
+    """Each native call is a wait for the GIL in a busy engine: a job of every tensor of
+    three groups is at most TASKS_PER_THREAD calls per thread, and still byte-exact."""
+    calls = []
+    real = native.copy
+    monkeypatch.setattr(native, "copy", lambda *args: (calls.append(args[2].nbytes), real(*args))[1])
+    layout, pool, engine = make_setup("per_layer", 1, chunk_bytes=chunk_bytes)
+    executor = engine._executor
+    assert len(layout.tensors) > cpu_executor.TASKS_PER_THREAD * executor.threads
+    rng = np.random.default_rng(5)
+    sizes = [6, 3, 5, 0]
+    with engine:
+        run_job(engine, layout, pool, True, distinct(rng, NUM_DEVICE, 14), sizes, [0, 0, 0, 0],
+                distinct(rng, NUM_HOST, 14))  # fmt: skip
+    assert 1 <= len(calls) <= cpu_executor.TASKS_PER_THREAD * executor.threads
+    page_bytes = [layout.group_page_bytes(g) for g in range(layout.num_groups)]
+    assert sum(calls) == sum(n * p for n, p in zip(sizes, page_bytes))
 
 
 @pytest.mark.parametrize("pattern", ["fresh_host", "consecutive", "scattered"])

@@ -11,11 +11,16 @@ over a ``CopyPool`` (the calling worker thread plus helpers). Tensors of one KV-
 group receive the same row arrays, so a per-layer layout plans once per group, not once
 per layer. Two copiers:
 
-* native (default when built, ``kvoffload.transfer.native``): a unit is a list of byte
-  ranges (``row_plan.plan_runs``: rows consecutive on both sides join into one range)
-  copied by one C call without the GIL; stores write the host pool with streaming stores
-  on x86-64, loads write the engine's KV with plain ones (it is read next). A pair of rows
-  scattered on both sides costs one range, not one Python-level call.
+* native (default when built, ``kvoffload.transfer.native``): every piece's rows become
+  byte ranges (``row_plan.plan_runs``: rows consecutive on both sides join into one
+  range of at most ``chunk_bytes``); the job's ranges, all tensors together, are then cut
+  into ``TASKS_PER_THREAD`` tasks per copy thread of about equal bytes, each copied by one
+  C call without the GIL. Stores write the host pool with streaming stores on x86-64,
+  loads write the engine's KV with plain ones (it is read next). Few, large tasks: each
+  task costs its thread a wait for the GIL, and in an engine whose thread runs Python
+  between steps that wait is what a job lasts (vLLM CPU build, a 15.5 MB load: 3.3-8.3 ms
+  as 16 tasks, one per MiB of each tensor, against 1.6-3.8 ms as 4; BENCHMARKS.md, "The
+  CPU tier's load inside the engine").
 * numpy (without a C compiler at install): one gather, scatter or slice copy per run of
   consecutive rows (``row_plan.plan_copies``), rows viewed as the widest integer type
   that divides the page. On one thread numpy's ``take`` and fancy assignment copied
@@ -48,6 +53,7 @@ from kvoffload.transfer.row_plan import Unit, apply_unit, plan_copies, plan_runs
 from kvoffload.validation import positive_int
 
 _OP_BYTES = 256 << 10  # largest single copy; see row_plan on glibc's memcpy
+TASKS_PER_THREAD = 2  # native path: enough to even out a slow thread, few GIL waits
 
 WIDE_TYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -151,8 +157,10 @@ class CPUExecutor:
         return time.perf_counter() - start
 
     def _run_native(self, store: bool, pieces: Sequence[Piece]) -> None:
-        plans: dict[tuple[int, ...], list[native.ByteRuns]] = {}
-        tasks: list[tuple[int, int, native.ByteRuns, bool]] = []
+        plans: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        src_parts: list[np.ndarray] = []
+        dst_parts: list[np.ndarray] = []
+        lengths: list[np.ndarray] = []
         for tensor, device_rows, host_rows in pieces:
             name = self.layout.names[tensor]
             device, host = self.layout.tensors[tensor], self.pool.sub_blocks(tensor)
@@ -165,11 +173,37 @@ class CPUExecutor:
             # The pieces keep these arrays alive for the whole call, so ids are stable keys.
             key = (id(src_rows), id(dst_rows), page, src.stride(0), dst.stride(0))
             if key not in plans:
-                units = plan_runs(src_rows, dst_rows, self.chunk_bytes // max(page, 1))
-                plans[key] = [native.ByteRuns.of(u, src.stride(0), dst.stride(0), page) for u in units]
-            # Stores stream into the host pool (read again much later, if ever); loads use
-            # plain stores and leave the KV in cache for the forward pass that reads it next.
-            tasks.extend((dst.data_ptr(), src.data_ptr(), runs, store) for runs in plans[key])
+                # one unit of runs of at most chunk_bytes: the tasks are cut below
+                chunk_rows = max(1, self.chunk_bytes // max(page, 1))
+                units = plan_runs(src_rows, dst_rows, max(1, len(dst_rows)), chunk_rows)
+                runs = [native.ByteRuns.of(u, src.stride(0), dst.stride(0), page) for u in units]
+                plans[key] = tuple(  # type: ignore[assignment]
+                    np.concatenate([getattr(r, f) for r in runs]) if runs else np.zeros(0, np.int64)
+                    for f in ("src_offsets", "dst_offsets", "lengths")
+                )
+            src_offsets, dst_offsets, n = plans[key]
+            src_parts.append(src_offsets + src.data_ptr())
+            dst_parts.append(dst_offsets + dst.data_ptr())
+            lengths.append(n)
+        if not lengths:
+            return
+        src_at, dst_at, sizes = np.concatenate(src_parts), np.concatenate(dst_parts), np.concatenate(lengths)
+        if not len(sizes):
+            return
+        # Offsets from the lowest address of each side: one base pair serves every tensor.
+        src_base, dst_base = int(src_at.min()), int(dst_at.min())
+        src_at -= src_base
+        dst_at -= dst_base
+        ends = np.cumsum(sizes)
+        count = self.threads * TASKS_PER_THREAD
+        cuts = np.unique(np.searchsorted(ends, ends[-1] * np.arange(1, count) / count, side="right"))
+        bounds = [0, *(int(c) for c in cuts if 0 < c < len(sizes)), len(sizes)]
+        # Stores stream into the host pool (read again much later, if ever); loads use
+        # plain stores and leave the KV in cache for the forward pass that reads it next.
+        tasks = [
+            (dst_base, src_base, native.ByteRuns(src_at[a:b], dst_at[a:b], sizes[a:b]), store)
+            for a, b in zip(bounds, bounds[1:])
+        ]
         self._copies.run(tasks, native.copy)
 
     def _run_numpy(self, store: bool, pieces: Sequence[Piece]) -> None:
