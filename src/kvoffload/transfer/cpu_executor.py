@@ -6,10 +6,9 @@ build). It implements ``kvoffload.transfer.executor.Executor``: a job arrives as
 spent, or raises, in which case the job's destination rows are unspecified and nothing
 else is touched.
 
-How: each piece's row pairs become units of about ``chunk_bytes`` of work, shared out
-over a ``CopyPool`` (the calling worker thread plus helpers). Tensors of one KV-cache
-group receive the same row arrays, so a per-layer layout plans once per group, not once
-per layer. Two copiers:
+How: each piece's row pairs become copy tasks (below), shared out over a ``CopyPool``
+(the calling worker thread plus helpers). Tensors of one KV-cache group receive the same
+row arrays, so a per-layer layout plans once per group, not once per layer. Two copiers:
 
 * native (default when built, ``kvoffload.transfer.native``): every piece's rows become
   byte ranges (``row_plan.plan_runs``: rows consecutive on both sides join into one
@@ -21,8 +20,9 @@ per layer. Two copiers:
   between steps that wait is what a job lasts (vLLM CPU build, a 15.5 MB load: 3.3-8.3 ms
   as 16 tasks, one per MiB of each tensor, against 1.6-3.8 ms as 4; BENCHMARKS.md, "The
   CPU tier's load inside the engine").
-* numpy (without a C compiler at install): one gather, scatter or slice copy per run of
-  consecutive rows (``row_plan.plan_copies``), rows viewed as the widest integer type
+* numpy (without a C compiler at install): tasks of about ``chunk_bytes``, each one
+  gather, scatter or slice copy per run of consecutive rows (``row_plan.plan_copies``),
+  rows viewed as the widest integer type
   that divides the page. On one thread numpy's ``take`` and fancy assignment copied
   64-128 KiB rows at contiguous-copy speed, where ``index_copy_`` reached about half of
   it; and torch ops above its grain size enter its intra-op pool (see ``copy_pool``).
