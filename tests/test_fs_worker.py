@@ -4,6 +4,7 @@ namespaces. No mocks: files are damaged with ordinary writes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -211,6 +212,29 @@ def test_a_job_runs_beside_the_previous_one_but_its_result_waits_for_it(tmp_path
     w.wait([1, 2])
     results = w.poll()
     assert [r.job_id for r in results] == [1, 2] and all(r.success for r in results)
+    tier.close()
+
+
+def test_after_a_run_fails_the_jobs_other_runs_are_skipped(tmp_path):
+    """Four runs (slots not consecutive), one store thread: the first write fails with EIO,
+    the job fails naming it, and the three runs behind it are never written."""
+    pool = make_pool()
+    tier = Tier(tmp_path, pool, blocks=32, store_threads=1)
+    w = tier.worker
+    written = []
+
+    def failing(slot, keys, blocks):
+        written.append(slot)
+        raise OSError(errno.EIO, "injected")
+
+    w.files.write_run = failing
+    keys = [k(i) for i in range(4)]
+    w.submit(1, CPULoadStoreSpec([0, 1, 2, 3]), DiskLoadStoreSpec([0, 2, 4, 6], keys))
+    w.wait([1])
+    (result,) = w.poll()
+    assert not result.success and "injected" in result.error and result.bytes == 0
+    assert written == [0]
+    assert w.counters().io_errors == 1 and w.counters().stores_failed == 1
     tier.close()
 
 
