@@ -28,6 +28,7 @@ PID) serves every measurement of one run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import resource
@@ -35,14 +36,18 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 
 import torch
 
 from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.integrations.vllm.config import DEFAULT_SWITCH_INTERVAL_S
 from kvoffload.keys import make_offload_key
 from kvoffload.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
+from kvoffload.tiers.redis import pipelines
 from kvoffload.tiers.redis.calls import NodeCalls
 from kvoffload.tiers.redis.client import ServerSettings, connect
 from kvoffload.tiers.redis.format import KeyNames, value_bytes
@@ -103,10 +108,49 @@ def redis_benchmark(port: int, size: int, depth: int, clients: int, requests: in
 
 
 def worker_throughput(
-    port: int, size: int, depth: int, threads: int, total: int, base: int
+    port: int, size: int, depth: int, threads: int, total: int, base: int, receive: str = "c"
 ) -> dict[str, float]:
     """Bytes/s of payload ``RedisWorker`` stores and then loads: ``total`` new blocks from
-    key ``base`` on, jobs of ``depth`` blocks, ``threads`` I/O threads, 2x that in flight."""
+    key ``base`` on, jobs of ``depth`` blocks, ``threads`` I/O threads, 2x that in flight;
+    loads received by ``_getinto`` (``receive="c"``) or by the Python plan (``"python"``)."""
+    native = pipelines._getinto
+    if receive == "c" and native is None:
+        raise SystemExit("--receive c: kvoffload.tiers.redis._getinto was not built")
+    try:
+        pipelines._getinto = native if receive == "c" else None
+        return _throughput(port, size, depth, threads, total, base)
+    finally:
+        pipelines._getinto = native
+
+
+@contextlib.contextmanager
+def busy_python_thread(on: bool):
+    """While open (if ``on``), a thread of this process runs Python without pause, as an
+    engine's scheduling loop does: every other thread here competes with it for the GIL,
+    with the switch interval the vLLM connector sets (``switch_interval_s``)."""
+    stop = threading.Event()
+    interval = sys.getswitchinterval()
+    if on:
+        sys.setswitchinterval(DEFAULT_SWITCH_INTERVAL_S)
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    thread = threading.Thread(target=spin, daemon=True)
+    if on:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if on:
+            thread.join()
+        sys.setswitchinterval(interval)
+
+
+def _throughput(port: int, size: int, depth: int, threads: int, total: int, base: int) -> dict[str, float]:
     blocks = max(depth * threads * 2, 64)
     pool = make_pool(size, blocks)
     settings = ServerSettings(f"redis://127.0.0.1:{port}/0", timeout=30.0)
@@ -210,6 +254,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="worker I/O threads = redis-benchmark clients")
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions per size")
     parser.add_argument(
+        "--receive",
+        choices=("c", "python", "both"),
+        default="c" if pipelines._getinto is not None else "python",
+        help="how loads are received: _getinto (C, no GIL), the Python plan, or both in turns",
+    )
+    parser.add_argument(
+        "--busy",
+        action="store_true",
+        help="a thread of the bench process spins in Python while ours runs (and while redis-benchmark runs)",
+    )
+    parser.add_argument(
         "--cpu", action="store_true", help="also: client CPU per MiB loaded, ours and redis-benchmark's"
     )
     args = parser.parse_args()
@@ -218,21 +273,33 @@ def main() -> None:
     proc = start_server(folder, port)
     try:
         setup = f"pipeline depth {args.depth}; {args.threads} threads / clients; {os.cpu_count()} cores"
+        setup += "; a busy Python thread in the bench process" if args.busy else ""
         print(f"redis-server on port {port}; {setup}")
         print("| block | direction | redis-benchmark GB/s | RedisWorker GB/s | ratio (median of reps) |")
         print("|---|---|---:|---:|---:|")
         client = connect(ServerSettings(f"redis://127.0.0.1:{port}/0"))
         for size in map(int, args.sizes.split(",")):
             total = max(args.depth * args.threads, (args.mib << 20) // size)
+            receives = ("c", "python") if args.receive == "both" else (args.receive,)
             runs = []
             for rep in range(args.reps):  # alternate, each into an emptied server
+                ours = {}
+                for receive in receives:
+                    client.flushall()
+                    with busy_python_thread(args.busy):
+                        rates = worker_throughput(
+                            port, size, args.depth, args.threads, total, rep << 32, receive
+                        )
+                    ours.setdefault("SET", rates["SET"])
+                    ours[f"GET {receive}"] = rates["GET"]
                 client.flushall()
-                ours = worker_throughput(port, size, args.depth, args.threads, total, rep << 32)
-                client.flushall()
-                theirs = redis_benchmark(port, value_bytes(size), args.depth, args.threads, total)
+                with busy_python_thread(args.busy):
+                    theirs = redis_benchmark(port, value_bytes(size), args.depth, args.threads, total)
+                theirs.update({f"GET {receive}": theirs["GET"] for receive in receives})
                 runs.append((ours, theirs))
             client.flushall()
-            for direction, label in (("SET", "store"), ("GET", "load")):
+            rows = [("SET", "store")] + [(f"GET {r}", f"load ({r} receive)") for r in receives]
+            for direction, label in rows:
                 ratios = sorted(o[direction] / t[direction] for o, t in runs)
                 ours_gbs = "/".join(f"{o[direction] / 1e9:.2f}" for o, _ in runs)
                 theirs_gbs = "/".join(f"{t[direction] / 1e9:.2f}" for _, t in runs)

@@ -35,6 +35,11 @@ from typing import Any
 from kvoffload.tiers.redis.format import CRC_AT, HEADER_BYTES, CorruptValue, check_head, crc32c, head_template
 from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, bulk_head, command
 
+try:  # the planned receive in C, without the GIL (built at install when a compiler is present)
+    from kvoffload.tiers.redis import _getinto
+except ImportError:  # pragma: no cover - depends on the build
+    _getinto = None
+
 _SET = b"$3\r\nSET\r\n"
 _NX = b"\r\n$2\r\nNX\r\n"
 
@@ -63,8 +68,45 @@ def get_into(
     stream.send([b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name, _, _ in items)])
     if not stream.scatters or not items:
         return [_one(stream, key, rows, digest) for _, key, rows in items]
-    results = _Planned(items, digest).receive(stream)
+    if _getinto is not None:
+        results = _received(stream, items, digest)
+    else:
+        results = _Planned(items, digest).receive(stream)
     return results + [_one(stream, key, rows, digest) for _, key, rows in items[len(results) :]]
+
+
+def _received(
+    stream: RespStream, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
+) -> list[Any]:
+    """``_Planned``'s plan, received and checked by ``_getinto.receive`` (no GIL)."""
+    plan, total, lead_format = [], 2, b"$%d\r\n"
+    for _, key, rows in items:
+        payload = sum([row.nbytes for row in rows])
+        lead = lead_format % (HEADER_BYTES + len(key) + payload)
+        lead_format = b"\r\n$%d\r\n"  # after the first: the previous value's CRLF first
+        expected = lead + head_template(key, payload, digest)
+        plan.append((expected, len(lead), key, rows if isinstance(rows, list) else list(rows)))
+        total += len(expected) + payload
+    fd, timeout, buffered = stream.hand_off(total)
+    try:
+        answers, unread = _getinto.receive(fd, timeout, buffered, plan)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    stream.unread(unread)
+    results: list[Any] = []
+    for answer, (_, _, key, rows) in zip(answers, plan):
+        if answer is True:
+            results.append(True)
+        elif answer is False:
+            results.append(CorruptValue("CRC32C mismatch"))
+        else:  # the head of a value of the planned length, not as planned
+            payload = sum([row.nbytes for row in rows])
+            try:
+                check_head(answer, key, digest, payload, len(answer) + payload)
+                results.append(CorruptValue("bad header"))  # not reached: every field but the CRC is checked
+            except CorruptValue as exc:
+                results.append(exc)
+    return results
 
 
 class _Planned:

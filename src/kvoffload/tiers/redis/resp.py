@@ -314,8 +314,25 @@ class RespStream:
             if lo < hi:
                 parts.append(piece[lo - at : hi - at])
             at += piece.nbytes
-        parts.append(self._view[self._start : self._end])
-        data = b"".join(parts)
+        self.unread(b"".join(parts))
+
+    # -- a receiver that reads the socket itself ------------------------------------------
+
+    def hand_off(self, limit: int) -> tuple[int, float, bytes]:
+        """For a receiver that reads the socket itself (``_getinto``): the socket's file
+        descriptor, its timeout in seconds (``-1.0``: none) and the stream's buffered
+        unread bytes, at most ``limit`` of them, which are taken: they come first."""
+        n = min(limit, self._end - self._start)
+        taken = bytes(self._view[self._start : self._start + n])
+        self._start += n
+        timeout = self._sock.gettimeout()
+        return self._sock.fileno(), -1.0 if timeout is None else float(timeout), taken
+
+    def unread(self, data: bytes) -> None:
+        """Make ``data`` the stream's next unread bytes (before any it still buffers)."""
+        if not data:
+            return
+        data = b"".join((data, self._view[self._start : self._end]))
         if len(data) > len(self._buf):
             self._buf = _local.buffer = bytearray(max(len(data), 2 * len(self._buf)))
             self._view = memoryview(self._buf)

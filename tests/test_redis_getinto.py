@@ -1,0 +1,153 @@
+"""The shared tier's C receive (``kvoffload.tiers.redis._getinto``) on a socket pair, byte by
+byte where it matters: what it answers per planned value, where it stops, what it hands
+back, and how it fails; and its CRC32C against the ``crc32c`` library."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+
+import crc32c
+import pytest
+
+from kvoffload.tiers.redis.format import KeyNames, encode, head_template
+from kvoffload.tiers.redis.pipelines import _getinto
+
+NOT_BUILT = "could not import kvoffload.tiers.redis._getinto (not built: no C compiler at install)"
+pytestmark = pytest.mark.skipif(_getinto is None, reason=NOT_BUILT)
+
+NAMES = KeyNames("kvoffload", "kvr-getinto")
+
+
+def test_its_crc32c_is_the_librarys_at_every_length_and_alignment() -> None:
+    rng = random.Random(3)
+    lengths = [0, 1, 7, 8, 9, 6143, 6144, 6145, 12289, 65536, 65536 + 13, 300007]
+    for n in lengths:
+        for skew in (0, 1, 5):
+            data = memoryview(os.urandom(n + skew))[skew:]
+            start = rng.getrandbits(32)
+            assert _getinto.crc32c(data) == crc32c.crc32c(data), n
+            assert _getinto.crc32c(data, start) == crc32c.crc32c(data, start), (n, skew)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 9
+
+
+def plan(payloads: list[int]) -> tuple[list, list[bytearray]]:
+    """Items for ``receive`` for values of these payload sizes, and their rows (two each)."""
+    items, rows, lead_format = [], [], b"$%d\r\n"
+    for i, size in enumerate(payloads):
+        lead = lead_format % (len(encode(key(i), [b"\0" * size], NAMES.digest)))
+        lead_format = b"\r\n$%d\r\n"
+        parts = [bytearray(size // 3), bytearray(size - size // 3)]
+        rows += parts
+        items.append((lead + head_template(key(i), size, NAMES.digest), len(lead), key(i), parts))
+    return items, rows
+
+
+def replies(values: list[bytes | None]) -> bytes:
+    return b"".join(b"$-1\r\n" if v is None else b"$%d\r\n%s\r\n" % (len(v), v) for v in values)
+
+
+def feed(sock: socket.socket, data: bytes, piece: int) -> threading.Thread:
+    def run() -> None:
+        rng = random.Random(piece)
+        at = 0
+        while at < len(data):
+            n = rng.randint(1, piece)
+            sock.sendall(data[at : at + n])
+            at += n
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    a.settimeout(2.0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1 << 20])
+def test_values_as_planned_are_received_into_the_rows_and_checked(pair, piece) -> None:
+    a, b = pair
+    sizes = [5000, 1, 70000]
+    payloads = [os.urandom(n) for n in sizes]
+    items, rows = plan(sizes)
+    wire = replies([encode(key(i), [p], NAMES.digest) for i, p in enumerate(payloads)]) + b"+PONG\r\n"
+    feed(b, wire[:3], piece).join()
+    thread = feed(b, wire[3:], piece)  # the first bytes as if the stream had buffered them
+    first = a.recv(3, socket.MSG_WAITALL)
+    results, unread = _getinto.receive(a.fileno(), 2.0, first, items)
+    thread.join()
+    assert results == [True, True, True] and unread == b""
+    assert [bytes(r) for r in rows] == [
+        bytes(p[: len(p) // 3]) if j % 2 == 0 else bytes(p[len(p) // 3 :]) for p in payloads for j in range(2)
+    ]
+    assert a.recv(16) == b"+PONG\r\n"  # nothing read past the batch
+
+
+def test_a_bad_crc_and_a_foreign_head_are_answered_and_the_batch_goes_on(pair) -> None:
+    a, b = pair
+    items, _ = plan([3000, 3000, 3000])
+    good = encode(key(0), [os.urandom(3000)], NAMES.digest)
+    flipped = bytearray(encode(key(1), [os.urandom(3000)], NAMES.digest))
+    flipped[-5] ^= 1
+    foreign = encode(key(9), [os.urandom(3000)], NAMES.digest)  # another key, the same length
+    feed(b, replies([good, bytes(flipped), foreign]), 999).join()
+    results, unread = _getinto.receive(a.fileno(), 2.0, b"", items)
+    assert results[:2] == [True, False] and unread == b""
+    assert results[2] == foreign[: len(items[2][0]) - items[2][1]]  # its head, to say why
+
+
+@pytest.mark.parametrize("piece", [1, 1 << 20])
+def test_a_reply_not_as_planned_ends_the_batch_and_is_handed_back(pair, piece) -> None:
+    """A null (shorter than a planned lead) or an error as the last reply ends the batch
+    as soon as its first bytes differ from the plan (never waited past): the bytes received
+    from its start are handed back, the rest are still on the socket."""
+    a, b = pair
+    items, _ = plan([100, 100, 100])
+    values = [encode(key(i), [os.urandom(100)], NAMES.digest) for i in range(3)]
+    thread = feed(b, replies(values[:2] + [None]), piece)
+    results, unread = _getinto.receive(a.fileno(), 2.0, b"", items)
+    thread.join()
+    assert results == [True, True] and unread == b"$-1\r\n"[: len(unread)]
+    assert unread + a.recv(5 - len(unread), socket.MSG_WAITALL) == b"$-1\r\n"  # the rest: unread
+    thread = feed(b, replies(values[:1]) + b"-ERR wrong\r\n", piece)
+    results, unread = _getinto.receive(a.fileno(), 2.0, b"", items)
+    thread.join()
+    assert results == [True] and unread == b"-ERR wrong\r\n"[: len(unread)] and unread
+    assert unread + a.recv(12 - len(unread), socket.MSG_WAITALL) == b"-ERR wrong\r\n"
+
+
+def test_bytes_that_are_not_resp_a_silent_server_and_a_closed_one_raise(pair) -> None:
+    a, b = pair
+    items, _ = plan([50])
+    value = encode(key(0), [b"x" * 50], NAMES.digest)
+    feed(b, b"$%d\r\n%sXY" % (len(value), value), 99).join()
+    with pytest.raises(ValueError, match="not followed by CRLF"):
+        _getinto.receive(a.fileno(), 2.0, b"", items)
+    with pytest.raises(TimeoutError):
+        _getinto.receive(a.fileno(), 0.05, b"", items)
+    b.sendall(b"$%d\r\n" % len(value))
+    b.shutdown(socket.SHUT_WR)
+    with pytest.raises(ConnectionError):
+        _getinto.receive(a.fileno(), 2.0, b"", items)
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_any_read(pair) -> None:
+    a, _ = pair
+    expected, lead, k, rows = plan([10])[0][0]
+    with pytest.raises(ValueError, match="lead 999"):
+        _getinto.receive(a.fileno(), 0.05, b"", [(expected, 999, k, rows)])
+    with pytest.raises(TypeError, match="item 0"):
+        _getinto.receive(a.fileno(), 0.05, b"", [(expected, lead, k)])
+    with pytest.raises(BufferError, match="not writable"):
+        _getinto.receive(a.fileno(), 0.05, b"", [(expected, lead, k, [b"0123456789"])])
