@@ -1,7 +1,8 @@
 """The shared Redis tier: pipelined store and load throughput against ``redis-benchmark``
 on the same server, and the scheduler-thread cost of a lookup with the server up and down.
 
-Run: .venv/bin/python bench/bench_redis.py [--mib 256] [--sizes 65536,262144,2097152] [--cpu]
+Run: .venv/bin/python bench/bench_redis.py [--mib 256] [--sizes 65536,262144,2097152]
+     [--batches c|python|both] [--busy] [--cpu]
 
 One ``redis-server`` (started here on a free loopback port, no persistence, stopped by its
 PID) serves every measurement of one run:
@@ -12,7 +13,11 @@ PID) serves every measurement of one run:
   layout: interleaved, a block is one buffer), ``--threads`` jobs in
   flight, against ``redis-benchmark -t set,get -P depth -c threads -d size`` (raw
   ``SET``/``GET`` of the same value size and pipeline depth, no checksum, no copy) run
-  against the same server in the same run. Target: >= 0.8x.
+  against the same server in the same run. Target: >= 0.8x. ``--batches both`` times the
+  worker with each job's batch run by the C module (``_pipelines``, the default where it
+  was built) and in Python, in turns. ``--busy``: a thread of the bench process spins in
+  Python throughout (the switch interval at the vLLM connector's), as an engine's loop
+  does; ``redis-benchmark`` runs beside it too, a process with its own GIL.
 * **Client CPU per MiB loaded** (``--cpu``): ``RedisWorker``'s load path run on the
   calling thread (``time.thread_time``: the thread's user and system time, so the kernel's
   receive copy counts) against ``redis-benchmark -t get``'s client (``getrusage`` of the
@@ -108,19 +113,19 @@ def redis_benchmark(port: int, size: int, depth: int, clients: int, requests: in
 
 
 def worker_throughput(
-    port: int, size: int, depth: int, threads: int, total: int, base: int, receive: str = "c"
+    port: int, size: int, depth: int, threads: int, total: int, base: int, batches: str = "c"
 ) -> dict[str, float]:
     """Bytes/s of payload ``RedisWorker`` stores and then loads: ``total`` new blocks from
     key ``base`` on, jobs of ``depth`` blocks, ``threads`` I/O threads, 2x that in flight;
-    loads received by ``_getinto`` (``receive="c"``) or by the Python plan (``"python"``)."""
-    native = pipelines._getinto
-    if receive == "c" and native is None:
-        raise SystemExit("--receive c: kvoffload.tiers.redis._getinto was not built")
+    each job's batch run by ``_pipelines`` (``batches="c"``) or in Python (``"python"``)."""
+    native = pipelines._pipelines
+    if batches == "c" and native is None:
+        raise SystemExit("--batches c: kvoffload.tiers.redis._pipelines was not built")
     try:
-        pipelines._getinto = native if receive == "c" else None
+        pipelines._pipelines = native if batches == "c" else None
         return _throughput(port, size, depth, threads, total, base)
     finally:
-        pipelines._getinto = native
+        pipelines._pipelines = native
 
 
 @contextlib.contextmanager
@@ -254,10 +259,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="worker I/O threads = redis-benchmark clients")
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions per size")
     parser.add_argument(
-        "--receive",
+        "--batches",
         choices=("c", "python", "both"),
-        default="c" if pipelines._getinto is not None else "python",
-        help="how loads are received: _getinto (C, no GIL), the Python plan, or both in turns",
+        default="c" if pipelines._pipelines is not None else "python",
+        help="who runs a job's batch on the socket: _pipelines (C, no GIL), Python, or both in turns",
     )
     parser.add_argument(
         "--busy",
@@ -280,25 +285,28 @@ def main() -> None:
         client = connect(ServerSettings(f"redis://127.0.0.1:{port}/0"))
         for size in map(int, args.sizes.split(",")):
             total = max(args.depth * args.threads, (args.mib << 20) // size)
-            receives = ("c", "python") if args.receive == "both" else (args.receive,)
+            variants = ("c", "python") if args.batches == "both" else (args.batches,)
             runs = []
             for rep in range(args.reps):  # alternate, each into an emptied server
-                ours = {}
-                for receive in receives:
+                ours, theirs = {}, {}
+                for variant in variants:
                     client.flushall()
                     with busy_python_thread(args.busy):
                         rates = worker_throughput(
-                            port, size, args.depth, args.threads, total, rep << 32, receive
+                            port, size, args.depth, args.threads, total, rep << 32, variant
                         )
-                    ours.setdefault("SET", rates["SET"])
-                    ours[f"GET {receive}"] = rates["GET"]
+                    ours.update({f"{op} {variant}": rate for op, rate in rates.items()})
                 client.flushall()
                 with busy_python_thread(args.busy):
-                    theirs = redis_benchmark(port, value_bytes(size), args.depth, args.threads, total)
-                theirs.update({f"GET {receive}": theirs["GET"] for receive in receives})
+                    rates = redis_benchmark(port, value_bytes(size), args.depth, args.threads, total)
+                theirs.update({f"{op} {variant}": rate for op, rate in rates.items() for variant in variants})
                 runs.append((ours, theirs))
             client.flushall()
-            rows = [("SET", "store")] + [(f"GET {r}", f"load ({r} receive)") for r in receives]
+            rows = [
+                (f"{op} {v}", f"{label} ({v})")
+                for op, label in (("SET", "store"), ("GET", "load"))
+                for v in variants
+            ]
             for direction, label in rows:
                 ratios = sorted(o[direction] / t[direction] for o, t in runs)
                 ours_gbs = "/".join(f"{o[direction] / 1e9:.2f}" for o, _ in runs)

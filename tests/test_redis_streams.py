@@ -29,14 +29,14 @@ NAMES = KeyNames("kvoffload", "kvr-streams")
 
 
 @pytest.fixture(params=["c", "python"])
-def receiver(request, monkeypatch):
-    """Loads on a plain socket, received by ``_getinto`` (C, no GIL) or by the Python plan."""
+def batches(request, monkeypatch):
+    """Batches on a plain socket run by ``_pipelines`` (C, no GIL) or in Python."""
     from kvoffload.tiers.redis import pipelines
 
-    if request.param == "c" and pipelines._getinto is None:
-        pytest.skip("could not import kvoffload.tiers.redis._getinto (not built: no C compiler at install)")
+    if request.param == "c" and pipelines._pipelines is None:
+        pytest.skip("could not import kvoffload.tiers.redis._pipelines (not built: no C compiler at install)")
     if request.param == "python":
-        monkeypatch.setattr(pipelines, "_getinto", None)
+        monkeypatch.setattr(pipelines, "_pipelines", None)
     return request.param
 
 
@@ -80,7 +80,7 @@ class Worker:
 
 @pytest.mark.parametrize("protocol", [2, 3])
 @pytest.mark.parametrize("widths", [(1,), (4097, 3), (65536,), (262147, 1000), (2 * 1024 * 1024 + 5,)])
-def test_round_trips_are_byte_exact_and_values_are_the_format(redis_server, widths, protocol, receiver):  # noqa: F811
+def test_round_trips_are_byte_exact_and_values_are_the_format(redis_server, widths, protocol, batches):  # noqa: F811
     url = f"{redis_server.url}?protocol={protocol}"
     a, b = Worker(url, make_pool(widths, seed=1)), Worker(url, make_pool(widths, seed=2))
     keys = [k(i) for i in range(5)]
@@ -99,7 +99,7 @@ def test_round_trips_are_byte_exact_and_values_are_the_format(redis_server, widt
     b.close()
 
 
-def test_set_nx_leaves_another_replicas_value_and_ex_sets_an_expiry(redis_server):  # noqa: F811
+def test_set_nx_leaves_another_replicas_value_and_ex_sets_an_expiry(redis_server, batches):  # noqa: F811
     a = Worker(redis_server.url, make_pool((3000,), seed=1), ttl=600)
     b = Worker(redis_server.url, make_pool((3000,), seed=2))
     keys = [k(i) for i in range(4)]
@@ -114,7 +114,7 @@ def test_set_nx_leaves_another_replicas_value_and_ex_sets_an_expiry(redis_server
     b.close()
 
 
-def test_error_replies_mid_batch_fail_the_job_but_not_the_connection(redis_server, receiver):  # noqa: F811
+def test_error_replies_mid_batch_fail_the_job_but_not_the_connection(redis_server, batches):  # noqa: F811
     a = Worker(redis_server.url, make_pool((70000,)))
     keys = [k(i) for i in range(3)]
     client = redis_server.client()
@@ -129,7 +129,7 @@ def test_error_replies_mid_batch_fail_the_job_but_not_the_connection(redis_serve
     a.close()
 
 
-def test_out_of_memory_refusals_drop_the_store_and_keep_the_breaker_closed(tmp_path):
+def test_out_of_memory_refusals_drop_the_store_and_keep_the_breaker_closed(tmp_path, batches):
     server = RedisServer(tmp_path).start(extra=("--maxmemory", "2mb", "--maxmemory-policy", "noeviction"))
     try:
         a = Worker(server.url, make_pool((256 * 1024,), blocks=16))
@@ -143,7 +143,7 @@ def test_out_of_memory_refusals_drop_the_store_and_keep_the_breaker_closed(tmp_p
         server.stop()
 
 
-def test_corrupt_values_in_a_batch_are_misses_deleted_and_counted(redis_server, receiver):  # noqa: F811
+def test_corrupt_values_in_a_batch_are_misses_deleted_and_counted(redis_server, batches):  # noqa: F811
     """Values of the expected length that fail a check (CRC, another key) are received into
     the rows and checked there, a value of another length ends the planned read; all fail
     the load (its rows are unspecified), are deleted and counted; the stream stays usable."""
@@ -219,7 +219,7 @@ class ChunkyProxy:
             s.close()
 
 
-def test_small_pieces_through_tiny_buffers_change_nothing(redis_server, receiver):  # noqa: F811
+def test_small_pieces_through_tiny_buffers_change_nothing(redis_server, batches):  # noqa: F811
     proxy = ChunkyProxy(redis_server.port)
     widths = (300000, 77)
     a, b = Worker(proxy.url, make_pool(widths, seed=1)), Worker(proxy.url, make_pool(widths, seed=2))
@@ -243,7 +243,7 @@ def test_small_pieces_through_tiny_buffers_change_nothing(redis_server, receiver
 
 @pytest.mark.parametrize("direction", ["load", "store"])
 def test_the_server_killed_mid_batch_fails_the_job_opens_the_breaker_and_recovers(
-    tmp_path, direction, receiver
+    tmp_path, direction, batches
 ):
     """The server is killed once 1 MiB of the batch (its replies for a load, its commands
     for a store) went through: the job fails, the breaker opens, and it closes again once

@@ -23,6 +23,12 @@ payload lies (no join) and read with one copy into where it goes.
   loadable). On a TLS socket each value is read into the stream's buffer, checked there and
   copied into ``rows`` only once it passed.
 
+On a plain socket, where ``kvoffload.tiers.redis._pipelines`` was built (C), each batch is
+sent and answered on one release of the GIL: the load's plan and checks as above, the
+stores' one-line replies; a reply they do not expect is left to the stream, read as here.
+Without it, the same runs in Python (``_Planned``), taking the GIL back per socket call,
+which costs up to the switch interval each time while an engine's Python loop is busy.
+
 Socket errors, timeouts and protocol errors raise (the caller drops the connection); the
 rows of items not answered ``True`` hold unspecified bytes.
 """
@@ -36,9 +42,9 @@ from kvoffload.tiers.redis.format import CRC_AT, HEADER_BYTES, CorruptValue, che
 from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, bulk_head, command
 
 try:  # the planned receive in C, without the GIL (built at install when a compiler is present)
-    from kvoffload.tiers.redis import _getinto
+    from kvoffload.tiers.redis import _pipelines
 except ImportError:  # pragma: no cover - depends on the build
-    _getinto = None
+    _pipelines = None
 
 _SET = b"$3\r\nSET\r\n"
 _NX = b"\r\n$2\r\nNX\r\n"
@@ -58,27 +64,50 @@ def set_nx(
         buffers.extend(payload)
         carry = tail
     buffers.append(carry)
-    stream.send(buffers)
-    return [stream.reply() for _ in items]
+    if not (stream.scatters and _pipelines is not None):
+        stream.send(buffers)
+        return [stream.reply() for _ in items]
+    fd, timeout, buffered = stream.hand_off(1 << 62)
+    lines, unread = _pipelines.set_nx(fd, timeout, buffers, buffered, len(items))
+    stream.unread(unread)
+    replies: list[Any] = [_ONE_LINE.get(line) or _one_line(line) for line in lines]
+    return replies + [stream.reply() for _ in items[len(lines) :]]
+
+
+_ONE_LINE = {b"+OK": b"OK"}
+
+
+def _one_line(line: bytes) -> Any:
+    """What ``RespStream.reply`` gives for a one-line reply ``_pipelines.set_nx`` read."""
+    if line[:1] == b"+":
+        return line[1:]
+    if line[:1] == b"-":
+        return ServerError(line[1:].decode(errors="replace"))
+    return None  # $-1 or _: a null
 
 
 def get_into(
     stream: RespStream, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
 ) -> list[Any]:
-    stream.send([b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name, _, _ in items)])
-    if not stream.scatters or not items:
-        return [_one(stream, key, rows, digest) for _, key, rows in items]
-    if _getinto is not None:
-        results = _received(stream, items, digest)
+    request = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name, _, _ in items)
+    if stream.scatters and items and _pipelines is not None:
+        results = _received(stream, items, digest, request)  # sends the request too
     else:
+        stream.send([request])
+        if not stream.scatters or not items:
+            return [_one(stream, key, rows, digest) for _, key, rows in items]
         results = _Planned(items, digest).receive(stream)
     return results + [_one(stream, key, rows, digest) for _, key, rows in items[len(results) :]]
 
 
 def _received(
-    stream: RespStream, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
+    stream: RespStream,
+    items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]],
+    digest: bytes,
+    request: bytes,
 ) -> list[Any]:
-    """``_Planned``'s plan, received and checked by ``_getinto.receive`` (no GIL)."""
+    """``_Planned``'s plan, received and checked by ``_pipelines.get_into``, which sends
+    ``request`` first: the whole batch on one release of the GIL."""
     plan, total, lead_format = [], 2, b"$%d\r\n"
     for _, key, rows in items:
         payload = sum([row.nbytes for row in rows])
@@ -89,7 +118,7 @@ def _received(
         total += len(expected) + payload
     fd, timeout, buffered = stream.hand_off(total)
     try:
-        answers, unread = _getinto.receive(fd, timeout, buffered, plan)
+        answers, unread = _pipelines.get_into(fd, timeout, request, buffered, plan)
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
     stream.unread(unread)

@@ -319,7 +319,7 @@ class RespStream:
     # -- a receiver that reads the socket itself ------------------------------------------
 
     def hand_off(self, limit: int) -> tuple[int, float, bytes]:
-        """For a receiver that reads the socket itself (``_getinto``): the socket's file
+        """For a receiver that reads the socket itself (``_pipelines``): the socket's file
         descriptor, its timeout in seconds (``-1.0``: none) and the stream's buffered
         unread bytes, at most ``limit`` of them, which are taken: they come first."""
         n = min(limit, self._end - self._start)

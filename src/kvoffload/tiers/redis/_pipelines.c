@@ -1,39 +1,50 @@
-/* kvoffload.tiers.redis._getinto: a load's pipeline of GET replies received straight into
- * the host rows and checked there, the whole batch without the GIL (optional: without it
- * kvoffload.tiers.redis.pipelines does the same in Python, taking the GIL per arrival).
+/* kvoffload.tiers.redis._pipelines: the shared tier worker's two hot batches
+ * (kvoffload.tiers.redis.pipelines), each sent and answered on one release of the GIL
+ * (optional: without it the same runs in Python, which takes the GIL back per socket call).
  *
- *   receive(fd, timeout, buffered, items) -> (results, unread)
- *       ``fd``: a connected stream socket; ``timeout``: seconds each wait for bytes may
- *       take (< 0: no limit). ``buffered``: bytes of the stream already read (they come
- *       first). ``items``: per value ``(expected, lead, key, rows)``: ``expected`` the bytes
- *       planned before its payload (its lead ``[\r\n]$<length>\r\n``, then the value's header
- *       with a zero CRC field at ``lead + 8``, then its key), ``rows`` the writable buffers
- *       its payload fills, in order. A last region takes the final CRLF.
- *       Per item answered (in order): ``True`` (everything as planned and the CRC32C of key
- *       and payload equals the recorded one), ``False`` (CRC32C mismatch) or ``bytes`` (a
- *       value of the planned length whose head differs: its header and key, for the
- *       caller to say why). The first reply whose lead is not the planned one (a null, an
- *       error, another length) ends the batch there: ``unread`` holds the bytes received
- *       from its start on (to be read reply by reply), and ``results`` is shorter than
- *       ``items``. ``unread`` is ``b""`` when every item was answered.
- *       Raises ``ValueError`` for bytes that are not RESP (a bulk string not followed by
- *       CRLF), ``TimeoutError``, ``ConnectionError`` (the peer closed), ``OSError``. After
- *       any exception the connection's state is unknown, and rows hold unspecified bytes.
+ * Both take ``fd``, a connected stream socket, and ``timeout``, the seconds each wait on it
+ * may take (< 0: no limit). Both raise ``TimeoutError``, ``ConnectionError`` (the peer
+ * closed) or ``OSError``; after any exception the connection's state is unknown.
+ *
+ *   get_into(fd, timeout, request, buffered, items) -> (results, unread)
+ *       Sends ``request`` (the batch's GET commands) whole, then receives the replies:
+ *       ``buffered`` (bytes of the stream already read) first. ``items``: per value
+ *       ``(expected, lead, key, rows)``: ``expected`` the bytes planned before its payload
+ *       (its lead ``[\r\n]$<length>\r\n``, the value's header with a zero CRC field at
+ *       ``lead + 8``, its key), ``rows`` the writable buffers its payload fills, in order
+ *       (the kernel writes it there). A last region takes the final CRLF.
+ *       Per item answered, in order: ``True`` (all as planned, and the CRC32C of key and
+ *       payload is the recorded one), ``False`` (CRC32C mismatch) or ``bytes`` (a value of
+ *       the planned length whose head differs: its header and key, for the caller to say
+ *       why). The first reply whose lead is not the planned one (a null, an error, another
+ *       length) ends the batch as soon as a byte differs: ``unread`` holds the bytes
+ *       received from its start on (the rest is still on the socket), ``results`` is
+ *       shorter than ``items``. ``ValueError`` for bytes that are not RESP (a bulk string
+ *       not followed by CRLF). Rows of items not answered ``True`` hold unspecified bytes.
+ *
+ *   set_nx(fd, timeout, buffers, buffered, count) -> (lines, unread)
+ *       Sends ``buffers`` (the batch's SET commands, payloads as they lie) in order with
+ *       vectored writes, then reads up to ``count`` replies, ``buffered`` first: ``lines``
+ *       holds each one-line reply a SET NX gets (a status ``+..``, an error ``-..``, a
+ *       null ``$-1`` or ``_``) without its CRLF; it stops at the first reply of another
+ *       kind (a RESP3 push, say) or past 64 KiB without a line end, and ``unread`` holds
+ *       the bytes from there on (or after the last reply), for the caller to read.
  *
  *   crc32c(data, crc=0) -> int
- *       The CRC32C this module checks with (SSE4.2 on x86-64 where the CPU has it, three
+ *       The CRC32C ``get_into`` checks with (SSE4.2 on x86-64 where the CPU has it, three
  *       streams at once; a table otherwise), continuing ``crc``; for tests.
  *
- * Why C: in Python every arrival took the GIL back for the checks, and a load of 64 KiB
- * values reached 0.68-0.81x of redis-benchmark's GET; a minimal client without checks
- * reached it. Here the kernel writes each payload into its rows and the checks run on
- * bytes still in cache, with the GIL free for the engine's threads.
+ * Why C: a busy Python thread (an engine's loop) holds the GIL, and each time a transfer
+ * thread gave it up for a socket call it waited up to the switch interval to get it back.
+ * With one spinning thread in the process, 64 KiB loads went from 0.37x (Python receive)
+ * to 0.65x of redis-benchmark's GET; on a quiet machine both run at about its speed.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -247,9 +258,9 @@ static void place(Batch *b, const unsigned char *data, Py_ssize_t len) {
     }
 }
 
-static int wait_readable(int fd, double timeout) {
+static int wait_for(int fd, short events, double timeout) {
     int ms = timeout < 0 ? -1 : (timeout * 1000.0 > INT_MAX ? INT_MAX : (int)(timeout * 1000.0 + 0.999));
-    struct pollfd p = {fd, POLLIN, 0};
+    struct pollfd p = {fd, events, 0};
     for (;;) {
         int r = poll(&p, 1, ms);
         if (r >= 0) return r;
@@ -257,8 +268,47 @@ static int wait_readable(int fd, double timeout) {
     }
 }
 
-/* The receive loop; runs without the GIL. */
-static void run(Batch *b, int fd, double timeout) {
+/* Send the buffers ``iov[0:n]`` whole (the array is consumed); E_NONE or why not. Without the GIL. */
+static int send_all(int fd, double timeout, struct iovec *iov, Py_ssize_t n, int *err_no) {
+    Py_ssize_t k = 0;
+    while (k < n && iov[k].iov_len == 0) k++;
+    while (k < n) {
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov + k;
+        msg.msg_iovlen = (size_t)(n - k < WINDOW ? n - k : WINDOW);
+        ssize_t r = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int ready = wait_for(fd, POLLOUT, timeout);
+                if (ready > 0) continue;
+                *err_no = errno;
+                return ready == 0 ? E_TIMEOUT : E_OS;
+            }
+            *err_no = errno;
+            return E_OS;
+        }
+        while (r > 0) {
+            if ((size_t)r >= iov[k].iov_len) {
+                r -= (ssize_t)iov[k].iov_len;
+                k++;
+            } else {
+                iov[k].iov_base = (char *)iov[k].iov_base + r;
+                iov[k].iov_len -= (size_t)r;
+                r = 0;
+            }
+        }
+        while (k < n && iov[k].iov_len == 0) k++;
+    }
+    return E_NONE;
+}
+
+/* Send the request, then receive; runs without the GIL. */
+static void run(Batch *b, int fd, double timeout, const char *request, Py_ssize_t request_len) {
+    struct iovec whole = {(void *)request, (size_t)request_len};
+    b->error = send_all(fd, timeout, &whole, 1, &b->err_no);
+    if (b->error != E_NONE) return;
     Py_ssize_t k = 0;
     while (k < b->npieces && b->n >= b->piece_start[k] + (Py_ssize_t)b->pieces[k].iov_len) k++;
     while (!(b->n && check(b)) && b->error == E_NONE) {
@@ -277,7 +327,7 @@ static void run(Batch *b, int fd, double timeout) {
         if (got < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                int r = wait_readable(fd, timeout);
+                int r = wait_for(fd, POLLIN, timeout);
                 if (r == 0) b->error = E_TIMEOUT;
                 else if (r < 0) b->error = E_OS, b->err_no = errno;
                 continue;
@@ -293,6 +343,26 @@ static void run(Batch *b, int fd, double timeout) {
         b->n += got;
         while (k < b->npieces && b->n >= b->piece_start[k] + (Py_ssize_t)b->pieces[k].iov_len) k++;
     }
+}
+
+/* Sets the exception for ``error`` (1), or returns 0 for E_NONE. With the GIL. */
+static int raise_for(int error, int err_no, const char *message) {
+    switch (error) {
+    case E_PROTOCOL:
+        PyErr_SetString(PyExc_ValueError, message);
+        return 1;
+    case E_TIMEOUT:
+        PyErr_SetString(PyExc_TimeoutError, "timed out");
+        return 1;
+    case E_CLOSED:
+        PyErr_SetString(PyExc_ConnectionError, "the server closed the connection");
+        return 1;
+    case E_OS:
+        errno = err_no;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return 1;
+    }
+    return 0;
 }
 
 /* The bytes [from, n) of the batch. */
@@ -311,12 +381,12 @@ static PyObject *unread_bytes(Batch *b, Py_ssize_t from) {
     return out;
 }
 
-static PyObject *receive(PyObject *self, PyObject *args) {
+static PyObject *get_into(PyObject *self, PyObject *args) {
     int fd;
     double timeout;
-    Py_buffer buffered;
+    Py_buffer request, buffered;
     PyObject *items;
-    if (!PyArg_ParseTuple(args, "idy*O!", &fd, &timeout, &buffered, &PyList_Type, &items)) return NULL;
+    if (!PyArg_ParseTuple(args, "idy*y*O!", &fd, &timeout, &request, &buffered, &PyList_Type, &items)) return NULL;
     Py_ssize_t nitems = PyList_GET_SIZE(items), nviews = 0, regions = 0;
     PyObject *result = NULL;
     Py_buffer *views = NULL;
@@ -396,24 +466,10 @@ static PyObject *receive(PyObject *self, PyObject *args) {
 
     Py_BEGIN_ALLOW_THREADS
     place(&b, buffered.buf, buffered.len);
-    run(&b, fd, timeout);
+    run(&b, fd, timeout, request.buf, request.len);
     Py_END_ALLOW_THREADS
 
-    switch (b.error) {
-    case E_PROTOCOL:
-        PyErr_SetString(PyExc_ValueError, b.message);
-        goto done;
-    case E_TIMEOUT:
-        PyErr_SetString(PyExc_TimeoutError, "timed out");
-        goto done;
-    case E_CLOSED:
-        PyErr_SetString(PyExc_ConnectionError, "the server closed the connection");
-        goto done;
-    case E_OS:
-        errno = b.err_no;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
-    }
+    if (raise_for(b.error, b.err_no, b.message)) goto done;
     PyObject *results = PyList_New(b.done);
     if (!results) goto done;
     for (Py_ssize_t i = 0; i < b.done; i++) {
@@ -440,12 +496,135 @@ done:
     if (views)
         for (Py_ssize_t j = 0; j < nviews; j++)
             if (views[j].obj) PyBuffer_Release(&views[j]);
+    PyBuffer_Release(&request);
     PyBuffer_Release(&buffered);
     PyMem_Free(views);
     PyMem_Free(scratch);
     PyMem_Free(b.items);
     PyMem_Free(b.pieces);
     PyMem_Free(b.piece_start);
+    return result;
+}
+
+/* ---- a store batch: vectored send, one-line replies ---------------------------------------- */
+
+#define MAX_LINE (1 << 16)
+
+typedef struct {
+    char *buf;
+    size_t cap, len, pos; /* bytes [pos, len) are not parsed yet */
+    Py_ssize_t *ends;       /* per reply parsed: where its line ends (its CRLF) */
+    Py_ssize_t *starts;
+    Py_ssize_t count, parsed;
+    int error, err_no;
+} Lines;
+
+/* Is buf[start:end] one of the replies a SET NX gets: a status, an error or a null? */
+static int one_line(const char *line, size_t n) {
+    if (n >= 1 && (line[0] == '+' || line[0] == '-')) return 1;
+    return (n == 3 && memcmp(line, "$-1", 3) == 0) || (n == 1 && line[0] == '_');
+}
+
+/* Parse replies until ``count`` or one that is not a one-line reply; without the GIL. */
+static void read_lines(Lines *l, int fd, double timeout) {
+    size_t scan = l->pos;
+    while (l->parsed < l->count) {
+        char *at = l->len - scan >= 2 ? memmem(l->buf + scan, l->len - scan, "\r\n", 2) : NULL;
+        if (at) {
+            size_t end = (size_t)(at - l->buf);
+            if (!one_line(l->buf + l->pos, end - l->pos)) return; /* for the caller to read */
+            l->starts[l->parsed] = (Py_ssize_t)l->pos;
+            l->ends[l->parsed++] = (Py_ssize_t)end;
+            l->pos = scan = end + 2;
+            continue;
+        }
+        scan = l->len ? l->len - 1 : 0; /* a CR may be the last byte in */
+        if (scan < l->pos) scan = l->pos;
+        if (l->len - l->pos > MAX_LINE) return; /* not a line a SET NX gets: the caller says so */
+        if (l->len == l->cap) {
+            char *grown = realloc(l->buf, l->cap * 2);
+            if (!grown) {
+                l->error = E_OS;
+                l->err_no = ENOMEM;
+                return;
+            }
+            l->buf = grown;
+            l->cap *= 2;
+        }
+        ssize_t got = recv(fd, l->buf + l->len, l->cap - l->len, MSG_DONTWAIT);
+        if (got > 0) {
+            l->len += (size_t)got;
+        } else if (got == 0) {
+            l->error = E_CLOSED;
+            return;
+        } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            int ready = wait_for(fd, POLLIN, timeout);
+            if (ready <= 0) {
+                l->error = ready == 0 ? E_TIMEOUT : E_OS;
+                l->err_no = errno;
+                return;
+            }
+        } else if (errno != EINTR) {
+            l->error = E_OS;
+            l->err_no = errno;
+            return;
+        }
+    }
+}
+
+static PyObject *set_nx(PyObject *self, PyObject *args) {
+    int fd;
+    double timeout;
+    Py_buffer buffered;
+    PyObject *buffers, *result = NULL;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "idO!y*n", &fd, &timeout, &PyList_Type, &buffers, &buffered, &count)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(buffers), held = 0;
+    Py_buffer *views = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    struct iovec *iov = PyMem_Calloc((size_t)n + 1, sizeof(struct iovec));
+    Lines l;
+    memset(&l, 0, sizeof l);
+    l.count = count < 0 ? 0 : count;
+    l.cap = buffered.len > 4096 ? (size_t)buffered.len * 2 : 4096;
+    l.buf = malloc(l.cap);
+    l.starts = PyMem_Calloc((size_t)l.count + 1, sizeof(Py_ssize_t));
+    l.ends = PyMem_Calloc((size_t)l.count + 1, sizeof(Py_ssize_t));
+    if (!views || !iov || !l.buf || !l.starts || !l.ends) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < n; held++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(buffers, held), &views[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        iov[held].iov_base = views[held].buf;
+        iov[held].iov_len = (size_t)views[held].len;
+    }
+    memcpy(l.buf, buffered.buf, (size_t)buffered.len);
+    l.len = (size_t)buffered.len;
+    Py_BEGIN_ALLOW_THREADS
+    l.error = send_all(fd, timeout, iov, n, &l.err_no);
+    if (l.error == E_NONE) read_lines(&l, fd, timeout);
+    Py_END_ALLOW_THREADS
+    if (raise_for(l.error, l.err_no, NULL)) goto done;
+    PyObject *lines = PyList_New(l.parsed);
+    if (!lines) goto done;
+    for (Py_ssize_t i = 0; i < l.parsed; i++) {
+        PyObject *line = PyBytes_FromStringAndSize(l.buf + l.starts[i], l.ends[i] - l.starts[i]);
+        if (!line) {
+            Py_DECREF(lines);
+            goto done;
+        }
+        PyList_SET_ITEM(lines, i, line);
+    }
+    result = Py_BuildValue("(Ny#)", lines, l.buf + l.pos, (Py_ssize_t)(l.len - l.pos));
+
+done:
+    for (Py_ssize_t j = 0; j < held; j++) PyBuffer_Release(&views[j]);
+    PyBuffer_Release(&buffered);
+    PyMem_Free(views);
+    PyMem_Free(iov);
+    PyMem_Free(l.starts);
+    PyMem_Free(l.ends);
+    free(l.buf);
     return result;
 }
 
@@ -462,14 +641,15 @@ static PyObject *crc32c(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"receive", receive, METH_VARARGS, "A planned batch of GET replies into the caller's buffers, checked."},
+    {"get_into", get_into, METH_VARARGS, "A batch of GETs; the replies received into the caller's buffers, checked."},
+    {"set_nx", set_nx, METH_VARARGS, "A batch of SET NX sent from the caller's buffers; their one-line replies."},
     {"crc32c", crc32c, METH_VARARGS, "CRC32C of a buffer, continuing crc."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_getinto", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pipelines", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__getinto(void) {
+PyMODINIT_FUNC PyInit__pipelines(void) {
     init_crc();
     return PyModule_Create(&module);
 }

@@ -1,6 +1,7 @@
-"""The shared tier's C receive (``kvoffload.tiers.redis._getinto``) on a socket pair, byte by
-byte where it matters: what it answers per planned value, where it stops, what it hands
-back, and how it fails; and its CRC32C against the ``crc32c`` library."""
+"""The shared tier's C batches (``kvoffload.tiers.redis._pipelines``) on a socket pair, byte
+by byte where it matters: what ``get_into`` answers per planned value and ``set_nx`` per
+reply, where each stops, what it hands back, how it fails; and the CRC32C against the
+``crc32c`` library."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import crc32c
 import pytest
 
 from kvoffload.tiers.redis.format import KeyNames, encode, head_template
-from kvoffload.tiers.redis.pipelines import _getinto
+from kvoffload.tiers.redis.pipelines import _pipelines
 
-NOT_BUILT = "could not import kvoffload.tiers.redis._getinto (not built: no C compiler at install)"
-pytestmark = pytest.mark.skipif(_getinto is None, reason=NOT_BUILT)
+NOT_BUILT = "could not import kvoffload.tiers.redis._pipelines (not built: no C compiler at install)"
+pytestmark = pytest.mark.skipif(_pipelines is None, reason=NOT_BUILT)
 
 NAMES = KeyNames("kvoffload", "kvr-getinto")
 
@@ -28,8 +29,8 @@ def test_its_crc32c_is_the_librarys_at_every_length_and_alignment() -> None:
         for skew in (0, 1, 5):
             data = memoryview(os.urandom(n + skew))[skew:]
             start = rng.getrandbits(32)
-            assert _getinto.crc32c(data) == crc32c.crc32c(data), n
-            assert _getinto.crc32c(data, start) == crc32c.crc32c(data, start), (n, skew)
+            assert _pipelines.crc32c(data) == crc32c.crc32c(data), n
+            assert _pipelines.crc32c(data, start) == crc32c.crc32c(data, start), (n, skew)
 
 
 def key(i: int) -> bytes:
@@ -85,13 +86,14 @@ def test_values_as_planned_are_received_into_the_rows_and_checked(pair, piece) -
     feed(b, wire[:3], piece).join()
     thread = feed(b, wire[3:], piece)  # the first bytes as if the stream had buffered them
     first = a.recv(3, socket.MSG_WAITALL)
-    results, unread = _getinto.receive(a.fileno(), 2.0, first, items)
+    results, unread = _pipelines.get_into(a.fileno(), 2.0, b"GET a", first, items)
     thread.join()
     assert results == [True, True, True] and unread == b""
     assert [bytes(r) for r in rows] == [
         bytes(p[: len(p) // 3]) if j % 2 == 0 else bytes(p[len(p) // 3 :]) for p in payloads for j in range(2)
     ]
     assert a.recv(16) == b"+PONG\r\n"  # nothing read past the batch
+    assert b.recv(16) == b"GET a"  # the request went first
 
 
 def test_a_bad_crc_and_a_foreign_head_are_answered_and_the_batch_goes_on(pair) -> None:
@@ -102,7 +104,7 @@ def test_a_bad_crc_and_a_foreign_head_are_answered_and_the_batch_goes_on(pair) -
     flipped[-5] ^= 1
     foreign = encode(key(9), [os.urandom(3000)], NAMES.digest)  # another key, the same length
     feed(b, replies([good, bytes(flipped), foreign]), 999).join()
-    results, unread = _getinto.receive(a.fileno(), 2.0, b"", items)
+    results, unread = _pipelines.get_into(a.fileno(), 2.0, b"", b"", items)
     assert results[:2] == [True, False] and unread == b""
     assert results[2] == foreign[: len(items[2][0]) - items[2][1]]  # its head, to say why
 
@@ -116,12 +118,12 @@ def test_a_reply_not_as_planned_ends_the_batch_and_is_handed_back(pair, piece) -
     items, _ = plan([100, 100, 100])
     values = [encode(key(i), [os.urandom(100)], NAMES.digest) for i in range(3)]
     thread = feed(b, replies(values[:2] + [None]), piece)
-    results, unread = _getinto.receive(a.fileno(), 2.0, b"", items)
+    results, unread = _pipelines.get_into(a.fileno(), 2.0, b"", b"", items)
     thread.join()
     assert results == [True, True] and unread == b"$-1\r\n"[: len(unread)]
     assert unread + a.recv(5 - len(unread), socket.MSG_WAITALL) == b"$-1\r\n"  # the rest: unread
     thread = feed(b, replies(values[:1]) + b"-ERR wrong\r\n", piece)
-    results, unread = _getinto.receive(a.fileno(), 2.0, b"", items)
+    results, unread = _pipelines.get_into(a.fileno(), 2.0, b"", b"", items)
     thread.join()
     assert results == [True] and unread == b"-ERR wrong\r\n"[: len(unread)] and unread
     assert unread + a.recv(12 - len(unread), socket.MSG_WAITALL) == b"-ERR wrong\r\n"
@@ -133,21 +135,71 @@ def test_bytes_that_are_not_resp_a_silent_server_and_a_closed_one_raise(pair) ->
     value = encode(key(0), [b"x" * 50], NAMES.digest)
     feed(b, b"$%d\r\n%sXY" % (len(value), value), 99).join()
     with pytest.raises(ValueError, match="not followed by CRLF"):
-        _getinto.receive(a.fileno(), 2.0, b"", items)
+        _pipelines.get_into(a.fileno(), 2.0, b"", b"", items)
     with pytest.raises(TimeoutError):
-        _getinto.receive(a.fileno(), 0.05, b"", items)
+        _pipelines.get_into(a.fileno(), 0.05, b"", b"", items)
     b.sendall(b"$%d\r\n" % len(value))
     b.shutdown(socket.SHUT_WR)
     with pytest.raises(ConnectionError):
-        _getinto.receive(a.fileno(), 2.0, b"", items)
+        _pipelines.get_into(a.fileno(), 2.0, b"", b"", items)
 
 
 def test_a_plan_that_does_not_fit_is_refused_before_any_read(pair) -> None:
     a, _ = pair
     expected, lead, k, rows = plan([10])[0][0]
     with pytest.raises(ValueError, match="lead 999"):
-        _getinto.receive(a.fileno(), 0.05, b"", [(expected, 999, k, rows)])
+        _pipelines.get_into(a.fileno(), 0.05, b"", b"", [(expected, 999, k, rows)])
     with pytest.raises(TypeError, match="item 0"):
-        _getinto.receive(a.fileno(), 0.05, b"", [(expected, lead, k)])
+        _pipelines.get_into(a.fileno(), 0.05, b"", b"", [(expected, lead, k)])
     with pytest.raises(BufferError, match="not writable"):
-        _getinto.receive(a.fileno(), 0.05, b"", [(expected, lead, k, [b"0123456789"])])
+        _pipelines.get_into(a.fileno(), 0.05, b"", b"", [(expected, lead, k, [b"0123456789"])])
+
+
+def drain(sock: socket.socket, into: bytearray) -> threading.Thread:
+    def run() -> None:
+        while data := sock.recv(1 << 16):
+            into.extend(data)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1 << 20])
+def test_set_nx_sends_every_buffer_in_order_and_reads_one_line_replies(pair, piece) -> None:
+    a, b = pair
+    buffers = [os.urandom(n) for n in (10, 0, 300000, 1, 70000)] + [memoryview(bytearray(b"tail"))]
+    sent = bytearray()
+    reader = drain(b, sent)
+    answers = b"+OK\r\n$-1\r\n_\r\n-OOM command not allowed\r\n+OK\r\n"
+    writer = feed(b, answers[2:] + b"+PONG", piece)  # b"+O" was buffered by the stream
+    lines, unread = _pipelines.set_nx(a.fileno(), 2.0, buffers, b"+O", 5)
+    writer.join()
+    assert lines == [b"+OK", b"$-1", b"_", b"-OOM command not allowed", b"+OK"]
+    assert unread == b"+PONG"[: len(unread)]  # read past the last reply: handed back
+    a.shutdown(socket.SHUT_WR)
+    reader.join()
+    assert sent == b"".join(bytes(x) for x in buffers)
+
+
+def test_set_nx_stops_at_a_reply_of_another_kind_and_hands_it_back(pair) -> None:
+    a, b = pair
+    b.sendall(b"+OK\r\n>2\r\n$10\r\ninvalidate\r\n*0\r\n+OK\r\n")  # a RESP3 push in between
+    lines, unread = _pipelines.set_nx(a.fileno(), 2.0, [b"x"], b"", 2)
+    assert lines == [b"+OK"] and unread.startswith(b">2\r\n$10")
+    b.sendall(b"$5\r\nhello\r\n")  # a bulk string: not a reply SET NX gets
+    lines, unread = _pipelines.set_nx(a.fileno(), 2.0, [b"x"], b"", 1)
+    assert lines == [] and unread.startswith(b"$5")
+    b.sendall(b"+" + b"y" * 70000)  # no line end within 64 KiB
+    lines, unread = _pipelines.set_nx(a.fileno(), 2.0, [b"x"], b"", 1)
+    assert lines == [] and len(unread) > 1 << 16
+
+
+def test_set_nx_raises_on_a_silent_or_closed_peer(pair) -> None:
+    a, b = pair
+    b.sendall(b"+OK\r\n+O")
+    with pytest.raises(TimeoutError):
+        _pipelines.set_nx(a.fileno(), 0.05, [b"x"], b"", 2)
+    b.shutdown(socket.SHUT_WR)
+    with pytest.raises(ConnectionError):
+        _pipelines.set_nx(a.fileno(), 2.0, [b"x"], b"", 1)
