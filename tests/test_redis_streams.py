@@ -233,7 +233,7 @@ def test_small_pieces_through_tiny_buffers_change_nothing(redis_server, batches)
     started = time.monotonic()  # the last reply is a null, shorter than a planned lead and
     result = b.load([keys[0], keys[5]], [0, 1])  # header: read as it is, not waited past
     assert not result.success and "no longer on the server" in result.error
-    assert time.monotonic() - started < 1.0, "a short last reply was waited past"
+    assert time.monotonic() - started < 1.5, "a short last reply was waited past (the timeout is 2 s)"
     assert b.load([keys[1]], [0]).success and rows_of(b.pool, 0) == rows_of(a.pool, 1)
     assert a.calls.streamed_batches and b.calls.streamed_batches
     a.close()
