@@ -41,7 +41,7 @@ from typing import Any
 from kvoffload.tiers.redis.format import CRC_AT, HEADER_BYTES, CorruptValue, check_head, crc32c, head_template
 from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, bulk_head, command
 
-try:  # the planned receive in C, without the GIL (built at install when a compiler is present)
+try:  # both batches in C, without the GIL (built at install when a compiler is present)
     from kvoffload.tiers.redis import _pipelines
 except ImportError:  # pragma: no cover - depends on the build
     _pipelines = None

@@ -21,6 +21,9 @@ retries. Every socket call is bounded by the socket's own timeout.
   where the bytes stop being what the caller planned for, and the bytes from there on are
   handed back to the stream as unread (see the method). ``scatters`` says whether the
   socket can (a TLS socket cannot: the caller reads replies as above).
+* ``hand_off(limit)`` and ``unread(data)``: for a receiver that reads the socket itself
+  (``kvoffload.tiers.redis._pipelines``): its descriptor, its timeout and the buffered
+  bytes (taken), then the bytes it read past what it wanted, given back to read first.
 
 Replies are read into a receive buffer of the calling thread (reused from batch to batch,
 grown to four times the largest value taken), as many bytes per call as have arrived: a
