@@ -48,6 +48,7 @@ from kvoffload.tiers.secondary import parse_secondary_tiers
 from kvoffload.validation import positive_int
 
 DEFAULT_SWITCH_INTERVAL_S = 0.0002
+DEFAULT_IDLE_WAIT_S = 0.001
 
 KNOWN_KEYS = (
     "cpu_bytes_to_use",
@@ -59,6 +60,7 @@ KNOWN_KEYS = (
     "fault_injection",
     "switch_interval_s",
     "sync_stores",
+    "idle_wait_s",
 )
 
 
@@ -73,6 +75,7 @@ class OffloadConfig:
     faults: FaultConfig | None = None  # fault_injection: None = off
     switch_interval_s: float = DEFAULT_SWITCH_INTERVAL_S
     sync_stores: str | bool = "auto"
+    idle_wait_s: float = DEFAULT_IDLE_WAIT_S
 
 
 def _positive_int(extra: Mapping[str, Any], key: str) -> int:
@@ -126,4 +129,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
         raise ValueError(
             f"kv_connector_extra_config['sync_stores'] must be 'auto', true or false, got {sync!r}"
         )
-    return OffloadConfig(tiers, events, store_threshold, faults, float(interval), sync)
+    idle_wait = extra.get("idle_wait_s", DEFAULT_IDLE_WAIT_S)
+    if isinstance(idle_wait, bool) or not isinstance(idle_wait, (int, float)) or not 0 <= idle_wait <= 0.1:
+        raise ValueError(
+            f"kv_connector_extra_config['idle_wait_s'] must be seconds in [0, 0.1], got {idle_wait!r}"
+        )
+    return OffloadConfig(tiers, events, store_threshold, faults, float(interval), sync, float(idle_wait))

@@ -80,7 +80,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().start_stores(_plan(self._get_connector_metadata()))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._worker_side().get_finished()
+        meta = self._connector_metadata  # bound for the step (vLLM binds it before this call)
+        sending, recving = self._worker_side().get_finished(
+            idle=isinstance(meta, KVOffloadMetadata) and meta.idle
+        )
         return sending or None, recving or None
 
     def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:

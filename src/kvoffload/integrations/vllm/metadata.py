@@ -21,6 +21,9 @@ from kvoffload.scheduler import StepPlan
 @dataclass
 class KVOffloadMetadata(KVConnectorMetadata):
     plan: StepPlan
+    # The step schedules no tokens: no forward pass runs, so the worker may wait a little
+    # for its loads in flight (``idle_wait_s``) instead of letting the engine spin.
+    idle: bool = False
 
 
 @dataclass

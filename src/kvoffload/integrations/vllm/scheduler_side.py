@@ -111,7 +111,8 @@ class SchedulerSide:
                     req_id in cached.resumed_req_ids,
                 )
             )
-        return KVOffloadMetadata(self.scheduler.build_step(steps, out.preempted_req_ids or ()))
+        plan = self.scheduler.build_step(steps, out.preempted_req_ids or ())
+        return KVOffloadMetadata(plan, idle=out.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta

@@ -6,13 +6,16 @@ requests; ``start_load_kv`` submits loads (before the forward pass); ``wait_for_
 submits stores (after it, when the blocks hold this step's KV), and with ``sync_stores``
 (by default when the KV cache is in host memory) waits for them; ``get_finished`` polls
 results and reports requests whose loads finished (``finished_recving``) and held
-requests whose jobs all finished (``finished_sending``), without ever waiting; ``build_worker_meta`` sends the
+requests whose jobs all finished (``finished_sending``), without waiting, except in a step
+without a forward pass, where it first waits up to ``idle_wait_s`` for the loads and tier
+transfers in flight; ``build_worker_meta`` sends the
 finished jobs to the scheduler; device blocks of failed loads go to
 ``get_block_ids_with_load_errors`` so the engine recomputes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Mapping
@@ -121,10 +124,14 @@ class WorkerSide:
             self._load_errors.update(int(b) for b in job.dst_spec.block_ids)
         return job.req_id, job.is_store
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
+        """``idle``: the step scheduled no tokens (no forward pass): first wait up to
+        ``idle_wait_s`` for the loads and tier transfers in flight."""
         recving, self._rejected_loads = self._rejected_loads, set()
+        if idle and self.worker is not None and self._config is not None and self._config.idle_wait_s:
+            self._wait_idle_step(self._config.idle_wait_s)
         if self.worker is not None:
-            # Poll only, never wait. vLLM 0.32 (``KVConnectorModelRunnerMixin.
+            # Poll only, never wait (but above). vLLM 0.32 (``KVConnectorModelRunnerMixin.
             # _get_kv_connector_output``) starts asynchronous loads right after launching
             # the forward pass and calls this straight after, before sampling is queued:
             # waiting here for this step's loads would leave the GPU idle for as long as
@@ -144,6 +151,17 @@ class WorkerSide:
         for req in sending:
             del self._held[req]
         return sending, recving
+
+    def _wait_idle_step(self, seconds: float) -> None:
+        """In a step without a forward pass, requests that wait for a load (or for a
+        promotion from a lower tier) keep vLLM's loop stepping as fast as it can, and that
+        loop holds a core and the GIL the transfer threads need. Waiting here (the GIL and
+        the core released) lets them run; the step loses nothing it would have done, and a
+        new request waits at most ``seconds`` more."""
+        jobs = [job_id for job_id, job in self._jobs.items() if not job.is_store]
+        if jobs:
+            with contextlib.suppress(TimeoutError):  # still running: reported by a later step
+                self.worker.wait(jobs, seconds)
 
     def wait_idle(self, timeout: float | None = None) -> None:
         """Block until every job submitted so far has finished (for tests and shutdown)."""

@@ -1,0 +1,112 @@
+"""The ``idle_wait_s`` key: in a step without a forward pass, the worker side waits a little
+for its loads and tier transfers in flight (so vLLM's loop does not spin through empty
+steps holding the GIL); in a step with one, it never waits; stores are never waited for."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvoffload.integrations.vllm.config import DEFAULT_IDLE_WAIT_S, parse_extra_config  # noqa: E402
+from kvoffload.integrations.vllm.worker_side import WorkerSide  # noqa: E402
+from kvoffload.scheduler import StepPlan, TransferJob  # noqa: E402
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec  # noqa: E402
+from kvoffload.worker import JobBook, TransferResult  # noqa: E402
+
+
+def config(**extra):
+    return parse_extra_config({"cpu_bytes_to_use": 1 << 20, "sync_stores": False, **extra}, 16)
+
+
+def test_values_and_default():
+    assert config().idle_wait_s == DEFAULT_IDLE_WAIT_S == 0.001
+    assert config(idle_wait_s=0).idle_wait_s == 0
+    assert config(idle_wait_s=0.02).idle_wait_s == 0.02
+
+
+@pytest.mark.parametrize("bad", [-0.001, 1, "soon", True, None])
+def test_bad_values_are_named(bad):
+    with pytest.raises(ValueError, match=r"\['idle_wait_s'\] must be seconds in \[0, 0.1\], got"):
+        config(idle_wait_s=bad)
+
+
+class LateWorker:
+    """Every job finishes ``delay`` seconds after it is submitted, on a timer thread."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.book = delay, JobBook()
+
+    def submit(self, job_id, src_spec, dst_spec) -> bool:
+        self.book.begin(job_id)
+
+        def done() -> None:
+            with self.book.lock:
+                self.book.finish(TransferResult(job_id, True, 1, self.delay, "x"))
+
+        threading.Timer(self.delay, done).start()
+        return True
+
+    def wait(self, job_ids, timeout=None) -> None:
+        self.book.wait(job_ids, timeout)
+
+    def poll(self):
+        return self.book.poll()
+
+
+def load(job_id: int, req: str) -> TransferJob:
+    return TransferJob(job_id, req, False, CPULoadStoreSpec([0]), DeviceLoadStoreSpec([2], [1], [0]))
+
+
+def store(job_id: int, req: str) -> TransferJob:
+    return TransferJob(job_id, req, True, DeviceLoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([job_id]))
+
+
+def side_with(delay: float, **extra) -> WorkerSide:
+    side = WorkerSide(None, None, config(**extra))
+    side.worker = LateWorker(delay)
+    return side
+
+
+def timed(call):
+    start = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start
+
+
+def test_an_idle_step_waits_for_a_load_and_reports_it_at_once():
+    side = side_with(0.02, idle_wait_s=0.1)
+    side.start_loads(StepPlan(loads=[load(1, "a")]))
+    (sending, recving), seconds = timed(lambda: side.get_finished(idle=True))
+    assert recving == {"a"} and 0.015 < seconds < 0.09  # waited for it, not for the bound
+
+
+def test_a_step_with_a_forward_pass_never_waits():
+    side = side_with(0.05, idle_wait_s=0.1)
+    side.start_loads(StepPlan(loads=[load(1, "a")]))
+    (_, recving), seconds = timed(lambda: side.get_finished(idle=False))
+    assert recving == set() and seconds < 0.02
+    side.worker.wait([1], 5)
+    assert side.get_finished()[1] == {"a"}  # reported by a later step
+
+
+def test_the_wait_is_bounded_and_stores_are_not_waited_for():
+    side = side_with(0.3, idle_wait_s=0.01)
+    side.start_loads(StepPlan(loads=[load(1, "a")]))
+    (_, recving), seconds = timed(lambda: side.get_finished(idle=True))
+    assert recving == set() and 0.008 < seconds < 0.1  # the bound, then on; nothing raised
+    side.worker.wait([1], 5)
+    side.get_finished()
+    side.start_stores(StepPlan(stores=[store(2, "b")]))
+    _, seconds = timed(lambda: side.get_finished(idle=True))
+    assert seconds < 0.008
+
+
+def test_zero_turns_it_off():
+    side = side_with(0.05, idle_wait_s=0)
+    side.start_loads(StepPlan(loads=[load(1, "a")]))
+    (_, recving), seconds = timed(lambda: side.get_finished(idle=True))
+    assert recving == set() and seconds < 0.02
