@@ -110,3 +110,35 @@ def test_zero_turns_it_off():
     side.start_loads(StepPlan(loads=[load(1, "a")]))
     (_, recving), seconds = timed(lambda: side.get_finished(idle=True))
     assert recving == set() and seconds < 0.02
+
+
+def test_the_scheduler_marks_steps_without_tokens_and_the_connector_passes_it_on():
+    from types import SimpleNamespace
+
+    from kvoffload.integrations.vllm.connector import KVOffloadConnector
+    from kvoffload.integrations.vllm.metadata import KVOffloadMetadata
+    from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+
+    side = SimpleNamespace(scheduler=SimpleNamespace(build_step=lambda steps, preempted: StepPlan()))
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+
+    def output(tokens: int):
+        return SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={},
+            preempted_req_ids=None,
+            total_num_scheduled_tokens=tokens,
+        )
+
+    assert SchedulerSide.build_connector_meta(side, output(0)).idle is True
+    assert SchedulerSide.build_connector_meta(side, output(7)).idle is False
+
+    seen: list[bool] = []
+    worker = SimpleNamespace(get_finished=lambda idle=False: seen.append(idle) or (set(), set()))
+    for idle in (True, False):
+        connector = SimpleNamespace(
+            _connector_metadata=KVOffloadMetadata(StepPlan(), idle=idle), _worker_side=lambda: worker
+        )
+        assert KVOffloadConnector.get_finished(connector, set()) == (None, None)
+    assert seen == [True, False]
