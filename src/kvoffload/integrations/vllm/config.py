@@ -82,6 +82,14 @@ def _positive_int(extra: Mapping[str, Any], key: str) -> int:
     return positive_int(f"kv_connector_extra_config[{key!r}]", extra[key])
 
 
+def _short_seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
+    """``extra[key]`` (or ``default``): a number of seconds in [0, 0.1]."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.1:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be seconds in [0, 0.1], got {value!r}")
+    return float(value)
+
+
 def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) -> OffloadConfig:
     """Validate ``extra`` against an engine whose device blocks hold ``engine_block_size`` tokens."""
     extra = dict(extra or {})
@@ -119,19 +127,11 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
     faults = None
     if extra.get("fault_injection") is not None:
         faults = FaultConfig.parse(extra["fault_injection"], "kv_connector_extra_config['fault_injection']")
-    interval = extra.get("switch_interval_s", DEFAULT_SWITCH_INTERVAL_S)
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 0.1:
-        raise ValueError(
-            f"kv_connector_extra_config['switch_interval_s'] must be seconds in [0, 0.1], got {interval!r}"
-        )
+    interval = _short_seconds(extra, "switch_interval_s", DEFAULT_SWITCH_INTERVAL_S)
     sync = extra.get("sync_stores", "auto")
     if not (isinstance(sync, bool) or sync == "auto"):
         raise ValueError(
             f"kv_connector_extra_config['sync_stores'] must be 'auto', true or false, got {sync!r}"
         )
-    idle_wait = extra.get("idle_wait_s", DEFAULT_IDLE_WAIT_S)
-    if isinstance(idle_wait, bool) or not isinstance(idle_wait, (int, float)) or not 0 <= idle_wait <= 0.1:
-        raise ValueError(
-            f"kv_connector_extra_config['idle_wait_s'] must be seconds in [0, 0.1], got {idle_wait!r}"
-        )
-    return OffloadConfig(tiers, events, store_threshold, faults, float(interval), sync, float(idle_wait))
+    idle_wait = _short_seconds(extra, "idle_wait_s", DEFAULT_IDLE_WAIT_S)
+    return OffloadConfig(tiers, events, store_threshold, faults, interval, sync, idle_wait)

@@ -35,7 +35,7 @@ rows of items not answered ``True`` hold unspecified bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvoffload.tiers.redis.format import CRC_AT, HEADER_BYTES, CorruptValue, check_head, crc32c, head_template
@@ -108,13 +108,9 @@ def _received(
 ) -> list[Any]:
     """``_Planned``'s plan, received and checked by ``_pipelines.get_into``, which sends
     ``request`` first: the whole batch on one release of the GIL."""
-    plan, total, lead_format = [], 2, b"$%d\r\n"
-    for _, key, rows in items:
-        payload = sum([row.nbytes for row in rows])
-        lead = lead_format % (HEADER_BYTES + len(key) + payload)
-        lead_format = b"\r\n$%d\r\n"  # after the first: the previous value's CRLF first
-        expected = lead + head_template(key, payload, digest)
-        plan.append((expected, len(lead), key, rows if isinstance(rows, list) else list(rows)))
+    plan, total = [], 2
+    for (_, key, rows), (expected, lead, payload) in zip(items, _planned_heads(items, digest)):
+        plan.append((expected, lead, key, rows if isinstance(rows, list) else list(rows)))
         total += len(expected) + payload
     fd, timeout, buffered = stream.hand_off(total)
     try:
@@ -129,13 +125,32 @@ def _received(
         elif answer is False:
             results.append(CorruptValue("CRC32C mismatch"))
         else:  # the head of a value of the planned length, not as planned
-            payload = sum([row.nbytes for row in rows])
-            try:
-                check_head(answer, key, digest, payload, len(answer) + payload)
-                results.append(CorruptValue("bad header"))  # not reached: every field but the CRC is checked
-            except CorruptValue as exc:
-                results.append(exc)
+            results.append(_why_bad(answer, key, digest, sum([row.nbytes for row in rows])))
     return results
+
+
+def _planned_heads(
+    items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
+) -> Iterator[tuple[bytes, int, int]]:
+    """Per item of a ``GET`` batch: the bytes planned before its payload (the previous
+    value's CRLF but for the first, ``$<length>\\r\\n``, its header with a zero CRC field,
+    its key), how many of them are that lead, and the payload's length."""
+    lead_format = b"$%d\r\n"
+    for _, key, rows in items:
+        payload = sum([row.nbytes for row in rows])
+        lead = lead_format % (HEADER_BYTES + len(key) + payload)
+        lead_format = b"\r\n$%d\r\n"  # after the first: the previous value's CRLF first
+        yield lead + head_template(key, payload, digest), len(lead), payload
+
+
+def _why_bad(head: Any, key: bytes, digest: bytes, payload: int) -> CorruptValue:
+    """Why a value of the planned length whose ``head`` (header and key) is not the
+    planned one is not ``key``'s block."""
+    try:
+        check_head(head, key, digest, payload, len(head) + payload)
+    except CorruptValue as exc:
+        return exc
+    return CorruptValue("bad header")  # not reached: check_head checks every field but the CRC
 
 
 class _Planned:
@@ -151,19 +166,15 @@ class _Planned:
         marks: list[
             tuple[int, memoryview, bytes, int, int, int]
         ] = []  # start, region, expected, lead, head end, end
-        at, lead_format = 0, b"$%d\r\n"
-        for _, key, rows in items:
-            payload = sum([row.nbytes for row in rows])
-            lead = lead_format % (HEADER_BYTES + len(key) + payload)
-            lead_format = b"\r\n$%d\r\n"  # after the first: the previous value's CRLF first
-            expected = lead + head_template(key, payload, digest)
+        at = 0
+        for (_, _, rows), (expected, lead, payload) in zip(items, _planned_heads(items, digest)):
             region = memoryview(bytearray(len(expected)))
             pieces.append(region)
             pieces += [
                 row if row.format == "B" and row.ndim == 1 else row.cast("B") for row in rows if row.nbytes
             ]
             head_end = at + len(expected)
-            marks.append((at, region, expected, len(lead), head_end, head_end + payload))
+            marks.append((at, region, expected, lead, head_end, head_end + payload))
             at = head_end + payload
         self.tail = memoryview(bytearray(2))
         pieces.append(self.tail)
@@ -227,12 +238,7 @@ class _Planned:
     def _bad_head(self, i: int) -> CorruptValue:
         """Why item ``i``'s head (a value of the expected length) differs from the plan."""
         _, region, _, lead, head_end, end = self.marks[i]
-        _, key, _ = self.items[i]
-        try:
-            check_head(region[lead:], key, self.digest, end - head_end, region.nbytes - lead + end - head_end)
-        except CorruptValue as exc:
-            return exc
-        return CorruptValue("bad header")  # not reached: check_head checks every field but the CRC
+        return _why_bad(region[lead:], self.items[i][1], self.digest, end - head_end)
 
 
 def _one(stream: RespStream, key: bytes, rows: Sequence[memoryview], digest: bytes) -> Any:
