@@ -140,7 +140,7 @@ static void init_crc(void) {
 
 /* ---- the planned receive --------------------------------------------------------------- */
 
-enum { HEAD, PAYLOAD, DONE };
+enum { HEAD, PAYLOAD }; /* the state of the item being received */
 enum { GOOD = 1, BAD_CRC = 0, BAD_HEAD = -1 };
 enum { E_NONE, E_PROTOCOL, E_TIMEOUT, E_CLOSED, E_OS };
 #define WINDOW 128 /* iovec entries per recvmsg */
