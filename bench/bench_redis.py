@@ -2,7 +2,7 @@
 on the same server, and the scheduler-thread cost of a lookup with the server up and down.
 
 Run: .venv/bin/python bench/bench_redis.py [--mib 256] [--sizes 65536,262144,2097152]
-     [--batches c|python|both] [--busy] [--cpu]
+     [--batches c|python|both] [--busy] [--cpu] [--no-pin]
 
 One ``redis-server`` (started here on a free loopback port, no persistence, stopped by its
 PID) serves every measurement of one run:
@@ -11,13 +11,26 @@ PID) serves every measurement of one run:
   pipeline per job of ``--depth`` blocks) and load jobs (``GET``, header/key/CRC32C
   checks, copy into the host pool) over a real ``HostBlockPool`` of 32 layers (default
   layout: interleaved, a block is one buffer), ``--threads`` jobs in
-  flight, against ``redis-benchmark -t set,get -P depth -c threads -d size`` (raw
-  ``SET``/``GET`` of the same value size and pipeline depth, no checksum, no copy) run
-  against the same server in the same run. Target: >= 0.8x. ``--batches both`` times the
+  flight, against ``redis-benchmark -t set|get -P depth -c threads -d size`` (raw
+  ``SET``/``GET`` of the same value size and pipeline depth, no checksum, no copy: ``SET``
+  of new random keys; ``GET`` of as many distinct keys as the worker loads, written first,
+  like for like, the target's baseline; and ``GET`` of one key again and again, whose
+  value stays in the server's caches, a stricter one, also printed) run
+  against the same server in the same run, each direction right before or right after
+  the worker's (the order swapped every repetition): this machine's speed changes by up
+  to 2x from one second to the next (the server's own copy of a value, its ``GET`` time
+  in ``INFO commandstats``, takes 16 us in one second and 25 in another), so only
+  neighbours compare. Ratio: the median over repetitions of each repetition's ratio.
+  Target: >= 0.8x. ``--batches both`` times the
   worker with each job's batch run by the C module (``_pipelines``, the default where it
   was built) and in Python, in turns. ``--busy``: a thread of the bench process spins in
   Python throughout (the switch interval at the vLLM connector's), as an engine's loop
   does; ``redis-benchmark`` runs beside it too, a process with its own GIL.
+* **Placement** (``--pin``, the default where there are 2 cores or more): the server alone
+  on the last core, both clients (this process with all its threads, and the
+  ``redis-benchmark`` it starts) on the others, as Redis benchmarks are run; unpinned
+  (``--no-pin``), the kernel may run the worker's second thread (the one that submits
+  and waits) on the server's core, which ``redis-benchmark``, one thread, never has.
 * **Client CPU per MiB loaded** (``--cpu``): ``RedisWorker``'s load path run on the
   calling thread (``time.thread_time``: the thread's user and system time, so the kernel's
   receive copy counts) against ``redis-benchmark -t get``'s client (``getrusage`` of the
@@ -68,11 +81,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(folder: str, port: int) -> subprocess.Popen:
+def start_server(folder: str, port: int, cores: set[int] | None = None) -> subprocess.Popen:
+    """A ``redis-server`` on ``port``; every thread of it on ``cores`` if given."""
     proc = subprocess.Popen(
         [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", folder],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores),
     )  # fmt: skip
     for _ in range(200):
         try:
@@ -95,35 +110,68 @@ def make_pool(block: int, blocks: int) -> HostBlockPool:
     return pool
 
 
-def redis_benchmark(port: int, size: int, depth: int, clients: int, requests: int) -> dict[str, float]:
-    """Bytes/s of raw ``SET`` (new random keys, as the tier writes new blocks) and ``GET``
-    (one key read again and again: a baseline at least as fast as reading many keys)."""
-    rates = {}
-    for test, spread in (("set", ["-r", "100000000"]), ("set,get", [])):
-        out = subprocess.run(
-            [shutil.which("redis-benchmark"), "-h", "127.0.0.1", "-p", str(port), "-t", test,
-             "-P", str(depth), "-c", str(clients), "-d", str(size), "-n", str(requests), "--csv", *spread],
-            capture_output=True, text=True, check=True, timeout=600,
-        ).stdout  # fmt: skip
-        for line in out.splitlines():
-            m = re.match(r'"(SET|GET)","([\d.]+)"', line)
-            if m and m.group(1) not in rates:
-                rates[m.group(1)] = float(m.group(2)) * size
-    return rates
+def pin_this_process(cores: set[int]) -> None:
+    """Every thread of this process (and what it starts later: ``redis-benchmark``, its
+    own threads) on ``cores``."""
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), cores)
 
 
-def worker_throughput(
-    port: int, size: int, depth: int, threads: int, total: int, base: int, batches: str = "c"
-) -> dict[str, float]:
-    """Bytes/s of payload ``RedisWorker`` stores and then loads: ``total`` new blocks from
-    key ``base`` on, jobs of ``depth`` blocks, ``threads`` I/O threads, 2x that in flight;
-    each job's batch run by ``_pipelines`` (``batches="c"``) or in Python (``"python"``)."""
+def placement(pin: bool) -> tuple[set[int] | None, set[int] | None, str]:
+    """Where the server and the clients run: with ``pin`` (and 2 cores or more) the server
+    alone on the last core and both clients on the others, as Redis benchmarks are run (a
+    client thread woken on the server's core takes it from the server, by chance, in one
+    repetition and not the next); else wherever the kernel puts them."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) < 2:
+        return None, None, f"not pinned ({len(cores)} cores)"
+    server, clients = {cores[-1]}, set(cores[:-1])
+    return server, clients, f"redis-server pinned to core {cores[-1]}, both clients to {sorted(clients)}"
+
+
+BASELINES = ("SET", "GET", "GET one key")
+
+
+def redis_benchmark(port: int, size: int, depth: int, clients: int, requests: int, op: str) -> float:
+    """Bytes/s of raw ``SET`` of new random keys (as the tier writes new blocks), ``GET``
+    of ``requests`` keys at random among as many distinct ones written first (as the tier
+    reads distinct blocks: like for like), or ``GET one key`` read again and again (its
+    value stays in the server's caches: a stricter baseline)."""
+    client = connect(ServerSettings(f"redis://127.0.0.1:{port}/0"))
+    spread = {"SET": ["-r", "100000000"], "GET": ["-r", str(requests)], "GET one key": []}[op]
+    if op == "GET":  # redis-benchmark's keys: key:000000000000 .. key:<requests - 1>
+        value = os.urandom(size)
+        for start in range(0, requests, depth):
+            pipe = client.pipeline(transaction=False)
+            for i in range(start, min(start + depth, requests)):
+                pipe.set(f"key:{i:012d}", value)
+            pipe.execute()
+    elif op == "GET one key":
+        client.set("key:__rand_int__", os.urandom(size))
+    misses = client.info("stats")["keyspace_misses"]
+    out = subprocess.run(
+        [shutil.which("redis-benchmark"), "-h", "127.0.0.1", "-p", str(port), "-t", op.split()[0].lower(),
+         "-P", str(depth), "-c", str(clients), "-d", str(size), "-n", str(requests), "--csv", *spread],
+        capture_output=True, text=True, check=True, timeout=600,
+    ).stdout  # fmt: skip
+    if op != "SET" and client.info("stats")["keyspace_misses"] != misses:
+        raise RuntimeError(f"redis-benchmark {op}: some keys were missing, its rate would not compare")
+    for line in out.splitlines():
+        m = re.match(r'"(SET|GET)","([\d.]+)"', line)
+        if m and m.group(1) == op.split()[0]:
+            return float(m.group(2)) * size
+    raise RuntimeError(f"redis-benchmark printed no {op} rate: {out!r}")
+
+
+@contextlib.contextmanager
+def batches_in(variant: str):
+    """While open, each job's batch runs in C (``_pipelines``, ``"c"``) or in Python."""
     native = pipelines._pipelines
-    if batches == "c" and native is None:
+    if variant == "c" and native is None:
         raise SystemExit("--batches c: kvoffload.tiers.redis._pipelines was not built")
+    pipelines._pipelines = native if variant == "c" else None
     try:
-        pipelines._pipelines = native if batches == "c" else None
-        return _throughput(port, size, depth, threads, total, base)
+        yield
     finally:
         pipelines._pipelines = native
 
@@ -155,35 +203,79 @@ def busy_python_thread(on: bool):
         sys.setswitchinterval(interval)
 
 
-def _throughput(port: int, size: int, depth: int, threads: int, total: int, base: int) -> dict[str, float]:
-    blocks = max(depth * threads * 2, 64)
-    pool = make_pool(size, blocks)
-    settings = ServerSettings(f"redis://127.0.0.1:{port}/0", timeout=30.0)
-    names = KeyNames("bench", f"size{size}")
-    worker = RedisWorker(pool, NodeCalls(lambda: connect(settings), "bench"), names, io_threads=threads)
-    jobs = total // depth
-    rates = {}
-    for direction in ("SET", "GET"):
+class WorkerRun:
+    """``RedisWorker`` over a pool of its own: ``total`` new blocks from key ``base`` on,
+    jobs of ``depth`` blocks, ``threads`` I/O threads, 2x that in flight."""
+
+    def __init__(self, port: int, size: int, depth: int, threads: int, total: int, base: int) -> None:
+        self.blocks = max(depth * threads * 2, 64)
+        self.size, self.depth, self.threads, self.jobs, self.base = size, depth, threads, total // depth, base
+        settings = ServerSettings(f"redis://127.0.0.1:{port}/0", timeout=30.0)
+        self.worker = RedisWorker(
+            make_pool(size, self.blocks), NodeCalls(lambda: connect(settings), "bench"),
+            KeyNames("bench", f"size{size}"), io_threads=threads,
+        )  # fmt: skip
+
+    def rate(self, direction: str) -> float:
+        """Bytes/s of payload stored (``"SET"``) or loaded (``"GET"``, of the blocks stored)."""
+        depth, worker = self.depth, self.worker
         start = time.perf_counter()
         in_flight = []
-        for j in range(jobs):
-            keys = [make_offload_key((base + j * depth + i).to_bytes(32, "big"), 0) for i in range(depth)]
-            host = CPULoadStoreSpec([(j * depth + i) % blocks for i in range(depth)])
+        for j in range(self.jobs):
+            first = self.base + j * depth
+            keys = [make_offload_key((first + i).to_bytes(32, "big"), 0) for i in range(depth)]
+            host = CPULoadStoreSpec([(j * depth + i) % self.blocks for i in range(depth)])
             remote = RemoteLoadStoreSpec(keys)
-            src, dst = (host, remote) if direction == "SET" else (remote, host)
-            worker.submit(j, src, dst)
+            worker.submit(j, *((host, remote) if direction == "SET" else (remote, host)))
             in_flight.append(j)
-            if len(in_flight) >= threads * 2:
-                worker.wait(in_flight[:threads])
-                in_flight = in_flight[threads:]
+            if len(in_flight) >= self.threads * 2:
+                worker.wait(in_flight[: self.threads])
+                in_flight = in_flight[self.threads :]
         worker.wait(in_flight)
         seconds = time.perf_counter() - start
         failed = [r.error for r in worker.poll() if not r.success]
         if failed:
             raise RuntimeError(f"{len(failed)} {direction} jobs failed: {failed[0]}")
-        rates[direction] = jobs * depth * size / seconds
-    worker.close()
-    return rates
+        return self.jobs * depth * self.size / seconds
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def repetition(
+    port: int, size: int, args: argparse.Namespace, total: int, rep: int, variants: tuple[str, ...]
+) -> tuple[dict, dict]:
+    """One repetition into an emptied server: each direction of ``RedisWorker`` (each batch
+    variant) right next to ``redis-benchmark``'s (its like-for-like baseline first, then
+    for loads the one-key baseline), in one order on even repetitions and the reverse on
+    odd ones, so that a change of the machine's speed (seconds apart at most) falls on both
+    sides alike. Bytes/s by ``"SET c"``, ``"GET c"``, ``"GET one key c"`` etc."""
+    connect(ServerSettings(f"redis://127.0.0.1:{port}/0")).flushall()
+    runs = {v: WorkerRun(port, size, args.depth, args.threads, total, (rep << 32) + (i << 28))
+            for i, v in enumerate(variants)}  # fmt: skip
+    ours, theirs = {}, {}
+
+    def baseline(op: str) -> None:
+        theirs[op] = redis_benchmark(port, value_bytes(size), args.depth, args.threads, total, op)
+
+    def worker(op: str, v: str) -> None:
+        with batches_in(v):
+            ours[f"{op} {v}"] = runs[v].rate(op)
+
+    try:
+        with busy_python_thread(args.busy):
+            for op, after in (("SET", ()), ("GET", ("GET one key",))):
+                steps = [lambda op=op: baseline(op)]
+                steps += [lambda op=op, v=v: worker(op, v) for v in variants]
+                steps += [lambda op=op: baseline(op) for op in after]
+                for step in steps if rep % 2 else reversed(steps):
+                    step()
+    finally:
+        for run in runs.values():
+            run.close()
+    for v in variants:
+        ours[f"GET one key {v}"] = ours[f"GET {v}"]
+    return ours, {f"{op} {v}": theirs[op] for op in BASELINES for v in variants}
 
 
 def client_cpu(port: int, size: int, depth: int, total: int, reps: int) -> tuple[list[float], list[float]]:
@@ -270,14 +362,23 @@ def main() -> None:
         help="a thread of the bench process spins in Python while ours runs (and while redis-benchmark runs)",
     )
     parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="redis-server alone on one core, both clients on the others (default: on)",
+    )
+    parser.add_argument(
         "--cpu", action="store_true", help="also: client CPU per MiB loaded, ours and redis-benchmark's"
     )
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="kvo-bench-redis-")
     port = free_port()
-    proc = start_server(folder, port)
+    server_cores, client_cores, where = placement(args.pin)
+    if client_cores is not None:
+        pin_this_process(client_cores)
+    proc = start_server(folder, port, server_cores)
     try:
-        setup = f"pipeline depth {args.depth}; {args.threads} threads / clients; {os.cpu_count()} cores"
+        setup = f"pipeline depth {args.depth}; {args.threads} threads / clients; {where}"
         setup += "; a busy Python thread in the bench process" if args.busy else ""
         print(f"redis-server on port {port}; {setup}")
         print("| block | direction | redis-benchmark GB/s | RedisWorker GB/s | ratio (median of reps) |")
@@ -286,27 +387,10 @@ def main() -> None:
         for size in map(int, args.sizes.split(",")):
             total = max(args.depth * args.threads, (args.mib << 20) // size)
             variants = ("c", "python") if args.batches == "both" else (args.batches,)
-            runs = []
-            for rep in range(args.reps):  # alternate, each into an emptied server
-                ours, theirs = {}, {}
-                for variant in variants:
-                    client.flushall()
-                    with busy_python_thread(args.busy):
-                        rates = worker_throughput(
-                            port, size, args.depth, args.threads, total, rep << 32, variant
-                        )
-                    ours.update({f"{op} {variant}": rate for op, rate in rates.items()})
-                client.flushall()
-                with busy_python_thread(args.busy):
-                    rates = redis_benchmark(port, value_bytes(size), args.depth, args.threads, total)
-                theirs.update({f"{op} {variant}": rate for op, rate in rates.items() for variant in variants})
-                runs.append((ours, theirs))
+            runs = [repetition(port, size, args, total, rep, variants) for rep in range(args.reps)]
             client.flushall()
-            rows = [
-                (f"{op} {v}", f"{label} ({v})")
-                for op, label in (("SET", "store"), ("GET", "load"))
-                for v in variants
-            ]
+            labels = (("SET", "store"), ("GET", "load"), ("GET one key", "load, against one key"))
+            rows = [(f"{op} {v}", f"{label} ({v})") for op, label in labels for v in variants]
             for direction, label in rows:
                 ratios = sorted(o[direction] / t[direction] for o, t in runs)
                 ours_gbs = "/".join(f"{o[direction] / 1e9:.2f}" for o, _ in runs)
