@@ -31,6 +31,8 @@ PID) serves every measurement of one run:
   ``redis-benchmark`` it starts) on the others, as Redis benchmarks are run; unpinned
   (``--no-pin``), the kernel may run the worker's second thread (the one that submits
   and waits) on the server's core, which ``redis-benchmark``, one thread, never has.
+  With ``--busy`` the default is unpinned: the spinner stands for an engine's loop, which
+  has a core of its own, and on two cores pinning would put it on the clients' one.
 * **Client CPU per MiB loaded** (``--cpu``): ``RedisWorker``'s load path run on the
   calling thread (``time.thread_time``: the thread's user and system time, so the kernel's
   receive copy counts) against ``redis-benchmark -t get``'s client (``getrusage`` of the
@@ -364,8 +366,8 @@ def main() -> None:
     parser.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="redis-server alone on one core, both clients on the others (default: on)",
+        default=None,
+        help="redis-server alone on one core, both clients on the others (default: on, off with --busy)",
     )
     parser.add_argument(
         "--cpu", action="store_true", help="also: client CPU per MiB loaded, ours and redis-benchmark's"
@@ -373,7 +375,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="kvo-bench-redis-")
     port = free_port()
-    server_cores, client_cores, where = placement(args.pin)
+    server_cores, client_cores, where = placement(not args.busy if args.pin is None else args.pin)
     if client_cores is not None:
         pin_this_process(client_cores)
     proc = start_server(folder, port, server_cores)
