@@ -19,7 +19,7 @@ PID) serves every measurement of one run:
   against the same server in the same run, each direction right before or right after
   the worker's (the order swapped every repetition): this machine's speed changes by up
   to 2x from one second to the next (the server's own copy of a value, its ``GET`` time
-  in ``INFO commandstats``, takes 16 us in one second and 25 in another), so only
+  in ``INFO commandstats``, takes 15 us in one second and 25 in another), so only
   neighbours compare. Ratio: the median over repetitions of each repetition's ratio.
   Target: >= 0.8x. ``--batches both`` times the
   worker with each job's batch run by the C module (``_pipelines``, the default where it
