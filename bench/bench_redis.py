@@ -121,9 +121,8 @@ def pin_this_process(cores: set[int]) -> None:
 
 def placement(pin: bool) -> tuple[set[int] | None, set[int] | None, str]:
     """Where the server and the clients run: with ``pin`` (and 2 cores or more) the server
-    alone on the last core and both clients on the others, as Redis benchmarks are run (a
-    client thread woken on the server's core takes it from the server, by chance, in one
-    repetition and not the next); else wherever the kernel puts them."""
+    alone on the last core and both clients on the others, as Redis benchmarks are run (no
+    client thread ever takes the server's core); else wherever the kernel puts them."""
     cores = sorted(os.sched_getaffinity(0))
     if not pin or len(cores) < 2:
         return None, None, f"not pinned ({len(cores)} cores)"
