@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvoffload.tiers.redis.format import CorruptValue, KeyNames, encode, head
+from kvoffload.tiers.redis.format import CorruptValue, KeyNames, encode
 from kvoffload.tiers.redis.pipelines import get_into, set_nx
 from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, command
 
@@ -248,8 +248,8 @@ def test_set_nx_frames_values_from_their_parts_and_reads_one_reply_each(peer):
     key = b"\x05" * 36
     parts = [np.arange(200000, dtype=np.uint32).view(np.uint8), b"\x00\x01"]
     head_and_parts = encode(key, parts, NAMES.digest)
-    items = [(name, head(key, parts, NAMES.digest), parts) for name in (b"name-a", b"name-b")]
+    items = [(name, key, parts) for name in (b"name-a", b"name-b")]
     p.reply(b"+OK\r\n_\r\n", 1)
-    assert set_nx(RespStream(p.ours), items, ttl=30) == [b"OK", None]
+    assert set_nx(RespStream(p.ours), items, NAMES.digest, ttl=30) == [b"OK", None]
     one = lambda name: command(b"SET", name, head_and_parts, b"NX", b"EX", b"30")  # noqa: E731
     assert p.all_received() == one(b"name-a") + one(b"name-b")

@@ -1,10 +1,11 @@
 """The worker's two hot batches on a ``RespStream``: values are sent from where their
 payload lies (no join) and read with one copy into where it goes.
 
-* ``set_nx(stream, items, ttl)``: one pipeline of ``SET name value NX [EX ttl]``; an item
-  is ``(name, head, payload)``, the value being ``head`` (``format.head``) followed by the
-  ``payload`` buffers, which go to ``sendmsg`` as they are (no join). Per item: ``b"OK"``
-  (written), ``None`` (present already, left as it is), or a ``ServerError``.
+* ``set_nx(stream, items, digest, ttl)``: one pipeline of ``SET name value NX [EX ttl]``;
+  an item is ``(name, key, payload)``, the value being ``key``'s head (``format.head``:
+  header with the CRC32C of key and payload, then the key) followed by the ``payload``
+  buffers, which go to ``sendmsg`` as they are (no join). Per item: ``b"OK"`` (written),
+  ``None`` (present already, left as it is), or a ``ServerError``.
 * ``get_into(stream, items, digest)``: one pipeline of ``GET name``; an item is ``(name,
   key, rows)``, ``rows`` the writable buffers the payload fills in order. Per item:
   ``True`` (the payload passed every check of ``format.check_head`` and the CRC32C and is
@@ -25,7 +26,8 @@ payload lies (no join) and read with one copy into where it goes.
 
 On a plain socket, where ``kvoffload.tiers.redis._pipelines`` was built (C), each batch is
 sent and answered on one release of the GIL: the load's plan and checks as above, the
-stores' one-line replies; a reply they do not expect is left to the stream, read as here.
+stores' CRC32Cs (written into each value's header just before it is sent) and one-line
+replies; a reply they do not expect is left to the stream, read as here.
 Without it, the same runs in Python (``_Planned``), taking the GIL back per socket call,
 which costs up to the switch interval each time while an engine's Python loop is busy.
 
@@ -38,7 +40,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvoffload.tiers.redis.format import CRC_AT, HEADER_BYTES, CorruptValue, check_head, crc32c, head_template
+from kvoffload.tiers.redis.format import (
+    CRC_AT,
+    HEADER_BYTES,
+    CorruptValue,
+    check_head,
+    crc32c,
+    head,
+    head_template,
+)
 from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, bulk_head, command
 
 try:  # both batches in C, without the GIL (built at install when a compiler is present)
@@ -51,24 +61,35 @@ _NX = b"\r\n$2\r\nNX\r\n"
 
 
 def set_nx(
-    stream: RespStream, items: Sequence[tuple[bytes, bytes, Sequence[Any]]], ttl: int | None = None
+    stream: RespStream,
+    items: Sequence[tuple[bytes, bytes, Sequence[Any]]],
+    digest: bytes,
+    ttl: int | None = None,
 ) -> list[Any]:
     first = b"*4\r\n" if ttl is None else b"*6\r\n"
     tail = _NX if ttl is None else _NX + command(b"EX", ttl)[4:]  # the arguments without "*2"
+    native = stream.scatters and _pipelines is not None
     buffers: list[Any] = []
+    checksums: list[tuple[int, int, int, int]] = []  # C fills in each header's CRC32C
     carry = b""  # the end of the previous command goes out with the start of the next
-    for name, head, payload in items:
-        size = len(head) + sum(memoryview(part).nbytes for part in payload)
-        framing = (carry, first, _SET, bulk_head(len(name)), name, b"\r\n", bulk_head(size), head)
-        buffers.append(b"".join(framing))
+    for name, key, payload in items:
+        nbytes = sum(memoryview(part).nbytes for part in payload)
+        value_head = head_template(key, nbytes, digest) if native else head(key, payload, digest)
+        size = len(value_head) + nbytes
+        lead = (carry, first, _SET, bulk_head(len(name)), name, b"\r\n", bulk_head(size))
+        framing = b"".join((*lead, value_head))
+        if native:
+            framing = bytearray(framing)
+            checksums.append((len(buffers), len(framing) - len(value_head) + CRC_AT, len(key), len(payload)))
+        buffers.append(framing)
         buffers.extend(payload)
         carry = tail
     buffers.append(carry)
-    if not (stream.scatters and _pipelines is not None):
+    if not native:
         stream.send(buffers)
         return [stream.reply() for _ in items]
     fd, timeout, buffered = stream.hand_off(1 << 62)
-    lines, unread = _pipelines.set_nx(fd, timeout, buffers, buffered, len(items))
+    lines, unread = _pipelines.set_nx(fd, timeout, buffers, buffered, len(items), checksums)
     stream.unread(unread)
     replies: list[Any] = [_ONE_LINE.get(line) or _one_line(line) for line in lines]
     return replies + [stream.reply() for _ in items[len(lines) :]]

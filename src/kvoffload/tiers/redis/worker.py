@@ -46,7 +46,7 @@ from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, CPULoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
 from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.redis.calls import NodeCalls, NodeDown
-from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode, head
+from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode
 from kvoffload.tiers.redis.pipelines import get_into, set_nx
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
@@ -155,11 +155,7 @@ class RedisWorker(OffloadingWorker):
             return ("SET", name, encode(keys[i], payload(host_ids[i]), digest), "NX", *expiry)
 
         def streamed(stream, indices: list[int]) -> list:
-            items = []
-            for i in indices:
-                rows = payload(host_ids[i])
-                items.append((names[i], head(keys[i], rows, digest), rows))
-            return set_nx(stream, items, ttl)
+            return set_nx(stream, [(names[i], keys[i], payload(host_ids[i])) for i in indices], digest, ttl)
 
         replies = self.calls.run(names, command, streamed)
         down = next((r for r in replies if isinstance(r, NodeDown)), None)
