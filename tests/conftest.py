@@ -5,6 +5,9 @@ With ``CI`` set, a test or module that would skip because a dependency does not 
 extra is installed, so such a skip means a broken install step, not an optional feature.
 Skips for other reasons (e.g. the shared trace not beside the checkout) stay skips.
 
+A ``redis-server`` a test started and left running (it failed before stopping it) is
+stopped after the test, by its PID (``redis_server.stop_leftovers``).
+
 vLLM runs in-process and offline in every test (set here, before any test module imports
 it: the engine starts in about 12 s instead of 28 s); ``tiny_llama`` is the tiny random
 Llama the engine tests serve, built once per session.
@@ -57,3 +60,11 @@ def pytest_make_collect_report(collector: pytest.Collector):
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     _fail_import_skip(outcome.get_result())
+
+
+@pytest.fixture(autouse=True)
+def _no_redis_server_outlives_its_test():
+    yield
+    from redis_server import stop_leftovers
+
+    stop_leftovers()

@@ -2,7 +2,9 @@
 folder, no persistence, stopped by its own PID.
 
 ``RedisServer(tmp_path, maxmemory=None)``: ``start()`` (also after ``kill()``: the same
-port again), ``kill()`` (SIGKILL), ``stop()``, ``url``, ``client()``. Keyspace
+port again), ``kill()`` (SIGKILL), ``stop()``, ``url``, ``client()``. A server a test
+started and did not stop (an assertion failed before its ``stop()``) is stopped after the
+test all the same (``stop_leftovers``, called by ``conftest.py``). Keyspace
 notifications of evictions, expiries and deletions are on (``Egx``... see ``EVENTS``)
 unless ``notifications=False``. Without a ``redis-server`` binary, tests skip — or fail
 under ``CI`` (``make test`` installs it).
@@ -53,6 +55,17 @@ def require_redis_server() -> str:
     return path
 
 
+_RUNNING: set[RedisServer] = set()  # started and not stopped yet
+
+
+def stop_leftovers() -> list[int]:
+    """Stop every server started and not stopped; their ports."""
+    left = list(_RUNNING)
+    for server in left:
+        server.stop()
+    return [server.port for server in left]
+
+
 class RedisServer:
     def __init__(
         self, tmp_path, maxmemory: str | None = None, notifications: bool = True, cluster: bool = False
@@ -76,6 +89,7 @@ class RedisServer:
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _RUNNING.add(self)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -106,6 +120,7 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.proc = None
+        _RUNNING.discard(self)
 
 
 def valkey_server() -> str | None:
