@@ -205,29 +205,25 @@ def test_set_nx_raises_on_a_silent_or_closed_peer(pair) -> None:
         _pipelines.set_nx(a.fileno(), 2.0, [b"x"], b"", 1)
 
 
-def test_set_nx_fills_in_each_headers_crc32c_before_sending() -> None:
-    a, b = socket.socketpair()
-    try:
-        buffers, checksums, expected = [], [], b""
-        for i, sizes in enumerate([(70000, 0, 3), (1,), ()]):
-            parts = [os.urandom(n) for n in sizes]
-            value = encode(key(i), parts, NAMES.digest)  # the header with its CRC, as format writes it
-            template = head_template(key(i), sum(sizes), NAMES.digest)
-            framing = bytearray(b"*4\r\n...frame %d..." % i + template)
-            checksums.append((len(buffers), len(framing) - len(template) + 8, len(key(i)), len(parts)))
-            buffers += [framing, *parts]
-            expected += bytes(framing[: len(framing) - len(template)]) + value
-        sent = bytearray()
-        reader = drain(b, sent)
-        b.sendall(b"+OK\r\n" * 3)
-        lines, _ = _pipelines.set_nx(a.fileno(), 2.0, buffers, b"", 3, checksums)
-        a.shutdown(socket.SHUT_WR)
-        reader.join()
-        assert lines == [b"+OK"] * 3
-        assert bytes(sent) == expected
-    finally:
-        a.close()
-        b.close()
+def test_set_nx_fills_in_each_headers_crc32c_before_sending(pair) -> None:
+    a, b = pair
+    buffers, checksums, expected = [], [], b""
+    for i, sizes in enumerate([(70000, 0, 3), (1,), ()]):
+        parts = [os.urandom(n) for n in sizes]
+        value = encode(key(i), parts, NAMES.digest)  # the header with its CRC, as format writes it
+        template = head_template(key(i), sum(sizes), NAMES.digest)
+        framing = bytearray(b"*4\r\n...frame %d..." % i + template)
+        checksums.append((len(buffers), len(framing) - len(template) + 8, len(key(i)), len(parts)))
+        buffers += [framing, *parts]
+        expected += bytes(framing[: len(framing) - len(template)]) + value
+    sent = bytearray()
+    reader = drain(b, sent)
+    b.sendall(b"+OK\r\n" * 3)
+    lines, _ = _pipelines.set_nx(a.fileno(), 2.0, buffers, b"", 3, checksums)
+    a.shutdown(socket.SHUT_WR)
+    reader.join()
+    assert lines == [b"+OK"] * 3
+    assert bytes(sent) == expected
 
 
 @pytest.mark.parametrize(
