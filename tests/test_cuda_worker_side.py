@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -58,6 +60,21 @@ def test_errors_at_submit_become_failed_jobs_not_exceptions(error):
     assert recving == {"a"}  # failed load: reported finished, its blocks recomputed
     assert sending == {"c"}  # the held request's only job failed: nothing to wait for
     assert side.take_load_errors() == {7, 8}
+    assert side.take_failed_requests() == set()
+
+
+def test_on_a_model_with_several_kv_groups_failed_loads_are_reported_by_request():
+    """vLLM refuses block-level load failures there (block ids repeat across groups)."""
+    groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(), SimpleNamespace()])
+    side = WorkerSide(None, groups, None)
+    side.worker = StubWorker({1}, RuntimeError("refused"))
+    side.start_loads(StepPlan(loads=[load(1, "a", [7, 8]), load(2, "b", [9]), load(4, "d", [5])]))
+    side.worker.results = [TransferResult(2, False, 0, 0.0, "load"), TransferResult(4, True, 9, 0.1, "load")]
+    sending, recving = side.get_finished()
+    assert recving == {"a", "b", "d"}  # a failed load is still a finished one
+    assert side.take_failed_requests() == {"a", "b"}
+    assert side.take_load_errors() == set()
+    assert side.take_failed_requests() == set()  # each reported once
     meta = side.build_worker_meta()
     assert meta is not None
     assert side.build_worker_meta() is None

@@ -128,7 +128,14 @@ def build_tiny_llama(path: str | os.PathLike[str], **kwargs: Any) -> Path:
     Keyword arguments are those of `tiny_llama_spec`. Returns `path` as a `Path`,
     ready for `vllm.LLM(model=path, tokenizer=path)`.
     """
-    spec = tiny_llama_spec(**kwargs)
+    return _build(path, tiny_llama_spec(**kwargs), _model_config)
+
+
+def _build(path: str | os.PathLike[str], spec: dict[str, Any], model_config: Any) -> Path:
+    """Build (or reuse) the build identified by `spec` in `path`, atomically.
+
+    `model_config(spec)` gives the (model class, config) pair; `spec` needs ``seed``,
+    ``dtype`` and ``vocab_size``."""
     path = Path(path).expanduser().absolute()
     existing = _read_marker(path)
     if existing == spec:
@@ -147,7 +154,7 @@ def build_tiny_llama(path: str | os.PathLike[str], **kwargs: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        _write_build(tmp, spec)
+        _write_build(tmp, spec, model_config(spec))
         _install(tmp, path, spec)
     finally:
         if tmp.exists():
@@ -186,12 +193,12 @@ def _install(tmp: Path, path: Path, spec: dict[str, Any]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_build(out: Path, spec: dict[str, Any]) -> None:
+def _write_build(out: Path, spec: dict[str, Any], model: tuple[type, Any]) -> None:
     import torch
     from transformers import GenerationConfig
 
     out.mkdir(parents=True)
-    model_cls, config = _model_config(spec)
+    model_cls, config = model
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec["seed"])

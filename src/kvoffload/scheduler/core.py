@@ -95,8 +95,18 @@ class OffloadingScheduler:
             raise ValueError("at least one KV-cache group is needed")
         positive_int("blocks_per_offload_block", blocks_per_offload_block)
         positive_int("hash_block_size", hash_block_size)
+        self._offloaded = [g for g, group in enumerate(groups) if group.offloaded]
+        if not self._offloaded:
+            raise ValueError("no KV-cache group is offloaded")
+        self._states = [g for g in self._offloaded if groups[g].is_state]
+        if self._states and blocks_per_offload_block != 1:
+            raise ValueError(
+                f"KV-cache group {self._states[0]} holds recurrent states (one per device block): "
+                f"blocks_per_offload_block must be 1, got {blocks_per_offload_block}"
+            )
+        self._fenced: dict[int, set[int]] = {}  # device block of a state -> store jobs reading it
         for g, group in enumerate(groups):
-            if group.block_size * blocks_per_offload_block % hash_block_size:
+            if group.offloaded and group.block_size * blocks_per_offload_block % hash_block_size:
                 raise ValueError(
                     f"offloaded block of group {g} ({group.block_size} x {blocks_per_offload_block} tokens) "
                     f"is not a multiple of the hash block size {hash_block_size}"
@@ -139,7 +149,7 @@ class OffloadingScheduler:
         hashes = self._blocks.hashes(request)
         if not state.touched:
             state.touched = True
-            for g in range(len(self.groups)):
+            for g in self._offloaded:
                 keys = self._blocks.request_keys(
                     state.keys[g], hashes, g, 0, self._blocks.num_full(hashes, g)
                 )
@@ -149,7 +159,10 @@ class OffloadingScheduler:
         # The engine must compute at least one prompt token itself.
         limit = request.num_prompt_tokens - 1
         hit_tokens = limit
-        for g, tokens in enumerate(self._tokens):
+        for g in self._offloaded:
+            if self.groups[g].is_state:
+                continue
+            tokens = self._tokens[g]
             start = num_computed_tokens // tokens
             end = min(self._blocks.num_full(hashes, g), -(-limit // tokens))
             hits = start
@@ -171,7 +184,31 @@ class OffloadingScheduler:
             if waiting:
                 return None
             hit_tokens = min(hit_tokens, hits * tokens)
+        for g in self._states:
+            hit_tokens = self._state_hit(state, hashes, g, num_computed_tokens, hit_tokens)
+            if hit_tokens is None:
+                return None
         return max(0, hit_tokens - num_computed_tokens)
+
+    def _state_hit(
+        self, state: RequestState, hashes, g: int, num_computed_tokens: int, bound: int
+    ) -> int | None:
+        """The most tokens up to ``bound`` that end on a stored state of group ``g`` (the
+        states before it are not needed), ``num_computed_tokens`` without one; ``None``
+        while a later state is on its way."""
+        tokens = self._tokens[g]
+        start = num_computed_tokens // tokens
+        top = min(self._blocks.num_full(hashes, g), bound // tokens)
+        keys = self._blocks.request_keys(state.keys[g], hashes, g, start, top)
+        for j in range(top - 1, start - 1, -1):
+            result = self.manager.lookup(keys[j - start])
+            if result is LookupResult.HIT:
+                return (j + 1) * tokens
+            if result is not LookupResult.MISS:
+                if result is LookupResult.PENDING and not self._events.knows(keys[j - start]):
+                    self._remember(state, hashes, g, j, keys[j - start])
+                return None
+        return num_computed_tokens
 
     # -- allocation and loads ------------------------------------------------------------
 
@@ -197,6 +234,21 @@ class OffloadingScheduler:
         ranges: list[tuple[int, int, OffloadKey]] = []
         f = self.blocks_per_offload_block
         for g, tokens in enumerate(self._tokens):
+            if not self.groups[g].offloaded or (self.groups[g].is_state and end_tokens % tokens):
+                sizes.append(0)
+                indices.append(0)
+                continue
+            if self.groups[g].is_state:  # the one state at end_tokens
+                j = end_tokens // tokens - 1
+                device = state.block_ids[g][j]
+                if device == self.null_block_id:
+                    raise ValueError(f"request {req_id!r}: group {g} has no device block for its state {j}")
+                keys += self._blocks.request_keys(state.keys[g], hashes, g, j, j + 1)
+                device_ids.append(device)
+                sizes.append(1)
+                indices.append(j)
+                state.loaded_blocks[g] = max(state.loaded_blocks[g], j + 1)
+                continue
             block_size = self.groups[g].block_size
             last = -(-end_tokens // tokens)
             first_device = self._blocks.first_present(
@@ -239,12 +291,13 @@ class OffloadingScheduler:
                 continue
             state.computed_tokens = max(state.computed_tokens, step.num_computed_tokens)
             if step.new_block_ids is not None:
+                self._flush_fenced(step.new_block_ids)
                 if step.replace_block_ids:
                     state.block_ids = [list(ids) for ids in step.new_block_ids]
                 else:
                     for ids, new in zip(state.block_ids, step.new_block_ids):
                         ids.extend(new)
-            job = self._plan_store(step.req_id, state, step.num_computed_tokens)
+            job = self._plan_store(step.req_id, state, step.num_computed_tokens, step.states)
             if job is not None:
                 plan.stores.append(job)
         for req_id in preempted:
@@ -255,15 +308,47 @@ class OffloadingScheduler:
         plan.flush, self._flush = self._flush, {}
         return plan
 
-    def _plan_store(self, req_id: str, state: RequestState, num_computed_tokens: int) -> TransferJob | None:
+    def _flush_fenced(self, new_block_ids: Sequence[Sequence[int]]) -> None:
+        """A state's device block is the engine's to reuse once the next state is written:
+        a store still reading one that is handed out again completes first (``flush``)."""
+        if not self._fenced:
+            return
+        for ids in new_block_ids:
+            for block in ids:
+                for job_id in self._fenced.pop(block, ()):
+                    job = self._jobs.get(job_id)
+                    if job is not None:
+                        self._flush.setdefault(job.req_id, []).append(job_id)
+
+    def _plan_store(
+        self, req_id: str, state: RequestState, num_computed_tokens: int, states: Iterable = ()
+    ) -> TransferJob | None:
         hashes = self._blocks.hashes(state.request)
-        candidates: list[tuple[int, int, OffloadKey]] = []  # (group, offloaded block, key)
+        # (group, offloaded block, key, device blocks)
+        candidates: list[tuple[int, int, OffloadKey, Sequence[int]]] = []
         f = self.blocks_per_offload_block
-        for g, tokens in enumerate(self._tokens):
+        decoding = num_computed_tokens > state.request.num_prompt_tokens
+        for g, block, end_tokens in states:
+            tokens = self._tokens[g]
+            j = end_tokens // tokens - 1
+            if (
+                g in self._states
+                and end_tokens % tokens == 0
+                and 0 <= j < self._blocks.num_full(hashes, g)
+                and block != self.null_block_id
+            ):
+                key = self._blocks.request_keys(state.keys[g], hashes, g, j, j + 1)[0]
+                if all(c[2] != key for c in candidates):
+                    candidates.append((g, j, key, [block]))
+        for g in self._offloaded:
+            if self.groups[g].is_state:
+                continue
+            tokens = self._tokens[g]
             start = state.stored_blocks[g]
-            end = min(
-                num_computed_tokens // tokens, self._blocks.num_full(hashes, g), len(state.block_ids[g]) // f
-            )
+            complete = num_computed_tokens // tokens
+            if decoding and self.groups[g].volatile_tail:
+                complete -= 1  # a draft layer's last block is rewritten until the next one is
+            end = min(complete, self._blocks.num_full(hashes, g), len(state.block_ids[g]) // f)
             if end <= start:
                 continue
             device = state.block_ids[g]
@@ -272,11 +357,12 @@ class OffloadingScheduler:
                 # blocks its match did not touch (it generated them) are asked for now, once
                 self._reuse.count(keys[max(0, state.touched_blocks[g] - start) :])
             candidates += [
-                (g, j, key)
+                (g, j, key, device[j * f : (j + 1) * f])
                 for j, key in zip(range(start, end), keys)
                 if self.null_block_id not in device[j * f : (j + 1) * f]
             ]
             state.stored_blocks[g] = end
+        candidates.sort(key=lambda c: c[0])  # group-major, as the host spec lists host blocks
         if self._reuse.active:
             allowed = [c for c in candidates if self._reuse.allows(c[2])]
             self.stats.skipped_stores += len(candidates) - len(allowed)
@@ -293,33 +379,40 @@ class OffloadingScheduler:
         device_ids: list[int] = []
         sizes = [0] * len(self.groups)
         indices = [0] * len(self.groups)
-        for g, j, key in candidates:
+        keys: list[OffloadKey] = []
+        fenced: list[int] = []
+        for g, j, key, ids in candidates:
             if key not in chosen:
                 continue
             if sizes[g] == 0:
                 indices[g] = j * f
-            device_ids += state.block_ids[g][j * f : (j + 1) * f]
+            device_ids += ids
             sizes[g] += f
+            keys.append(key)
+            if self.groups[g].is_state:
+                fenced += ids
             self._remember(state, hashes, g, j, key)
-        job = self._new_job(req_id, True, list(out.keys_to_store))
+        job = self._new_job(req_id, True, keys)
+        for block in fenced:
+            self._fenced.setdefault(block, set()).add(job)
         return TransferJob(job, req_id, True, DeviceLoadStoreSpec(device_ids, sizes, indices), out.store_spec)
 
-    def _reserve(self, candidates: list[tuple[int, int, OffloadKey]]):
+    def _reserve(self, candidates: list[tuple[int, int, OffloadKey, Sequence[int]]]):
         """``prepare_store`` of the candidates, or of the leading part by token position
         that the tier can make room for (it refuses a batch whole: halve until it fits,
         as a prefix is what later requests can load). Returns ``(output or None, the
         candidates asked for)``, in the given (group-major) order."""
-        out = self.manager.prepare_store([key for _, _, key in candidates])
+        out = self.manager.prepare_store([c[2] for c in candidates])
         if out is not None:
             return out, candidates
         tokens = self._tokens
         by_position = sorted(
             range(len(candidates)), key=lambda i: (candidates[i][1] * tokens[candidates[i][0]], i)
-        )
+        )  # a state with the attention blocks before it
         count = len(candidates) // 2
         while count:
             kept = [candidates[i] for i in sorted(by_position[:count])]
-            out = self.manager.prepare_store([key for _, _, key in kept])
+            out = self.manager.prepare_store([c[2] for c in kept])
             if out is not None:
                 return out, kept
             count //= 2
@@ -474,6 +567,9 @@ class OffloadingScheduler:
         hashes = self._blocks.hashes(state.request)
         key_groups = []
         for g, tokens in enumerate(self._tokens):
+            if not self.groups[g].offloaded:
+                key_groups.append([])
+                continue
             blocks = max(state.computed_tokens // tokens, state.loaded_blocks[g])
             key_groups.append(
                 self._blocks.request_keys(

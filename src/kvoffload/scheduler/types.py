@@ -21,15 +21,32 @@ class KVGroup:
     """One KV-cache group of the engine: its device block size in tokens.
 
     ``kind`` and ``sliding_window`` are reported in ``BlockStored`` events so routers can
-    tell groups apart; offloading treats every group as full attention (all blocks kept).
+    tell groups apart; offloading keeps every block of a group that is not the null block,
+    except for ``kind="mamba"``: a group of recurrent states, where device block ``i`` holds
+    the state after ``(i + 1) * block_size`` tokens and only one state is needed to resume
+    (offloaded block ``j`` is the state after its last token; a hit must end on a stored
+    state; the engine names the states it writes in ``StepRequest.states``).
+    ``offloaded=False``: a group the engine does not transfer (its blocks are neither
+    stored nor loaded, and it does not bound a hit). ``volatile_tail``: the group's last
+    whole block may still change while the request decodes (EAGLE/MTP draft layers), so it
+    is stored only once a further block is complete.
     """
 
     block_size: int
     kind: str = "full_attention"
     sliding_window: int | None = None
+    offloaded: bool = True
+    volatile_tail: bool = False
 
     def __post_init__(self) -> None:
         positive_int("KVGroup.block_size", self.block_size)
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind == STATE_KIND
+
+
+STATE_KIND = "mamba"
 
 
 class RequestView(Protocol):
@@ -74,12 +91,15 @@ class StepRequest:
     ``new_block_ids`` (one list per KV-cache group, or ``None``) are appended to the
     request's device blocks, or replace them when ``replace_block_ids`` (a resumed request).
     ``num_computed_tokens`` counts the tokens whose KV exists once this step has run.
+    ``states``: ``(group, device block id, tokens)`` for each state of a ``"state"``
+    group (Mamba) this step writes: the block holds the state after exactly ``tokens``.
     """
 
     req_id: str
     new_block_ids: Sequence[Sequence[int]] | None
     num_computed_tokens: int
     replace_block_ids: bool = False
+    states: Sequence[tuple[int, int, int]] = ()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The engine's KV memory, described as byte pages: ``KVLayout``.
 
 A layout is a list of tensors, each viewed as ``(num_blocks, page_bytes)`` uint8 bytes,
-plus, for each KV-cache group, the indices of the tensors (layers) that group uses.
+plus, for each KV-cache group, the indices of the tensors (layers) that group uses (none
+for a group that is not offloaded).
 Row ``b`` of a tensor is block ``b``'s page in that tensor; rows may sit further apart
 than ``page_bytes`` (padded pages, block-outermost packing), but each page's bytes must
 be contiguous. A group's page size is the sum of its tensors' page sizes, so page sizes
@@ -108,8 +109,7 @@ class KVLayout:
             groups = [list(range(len(self.tensors)))]
         self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(int(i) for i in g) for g in groups)
         for g, members in enumerate(self.groups):
-            if not members:
-                raise ValueError(f"KV-cache group {g} names no tensor")
+            # a group with no tensor is one the engine keeps but kvoffload does not offload
             for i in members:
                 if not 0 <= i < len(self.tensors):
                     raise ValueError(f"KV-cache group {g} names tensor {i}, out of range")
@@ -192,7 +192,7 @@ class KVLayout:
 
     def group_num_blocks(self, group: int) -> int:
         """Device block ids of ``group`` must be below this."""
-        return min(self.num_blocks(i) for i in self.groups[group])
+        return min((self.num_blocks(i) for i in self.groups[group]), default=0)
 
     def __repr__(self) -> str:
         pages = sorted({self.page_bytes(i) for i in range(len(self.tensors))})

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -85,6 +86,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             idle=isinstance(meta, KVOffloadMetadata) and meta.idle
         )
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s sets, plus the requests whose load failed on a model with
+        several KV-cache groups (``failed_recving``; also in ``finished_recving``)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_requests() if self._worker is not None else set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
         return self._worker.build_worker_meta() if self._worker is not None else None
@@ -164,6 +172,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def offload_stats(self):
         """The offloading scheduler's counters (``SchedulerStats``), scheduler role only."""
         return self._scheduler_side().scheduler.stats
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.34 asks): offload keys are taken only from hashes of tokens the
+        request already has, so lookahead hashes would buy nothing and are left off."""
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

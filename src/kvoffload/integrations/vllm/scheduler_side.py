@@ -16,36 +16,22 @@ import msgspec
 from vllm.distributed import kv_events as vllm_events
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvoffload.events import types as kv_types
 from kvoffload.integrations.vllm.config import OffloadConfig
-from kvoffload.integrations.vllm.layout import host_block_bytes, kv_identity
+from kvoffload.integrations.vllm.groups import kv_groups
+from kvoffload.integrations.vllm.identity import kv_identity
+from kvoffload.integrations.vllm.layout import host_block_bytes
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
-from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
+from kvoffload.scheduler import OffloadingScheduler, StepRequest
 from kvoffload.tiers.factory import build_manager
 
 # vLLM's block pool hands out block 0 as its null block, the placeholder for positions
 # outside a sliding window.
 NULL_BLOCK_ID = 0
-
-
-def _kv_groups(kv_cache_config: KVCacheConfig) -> list[KVGroup]:
-    groups = []
-    for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec):
-            groups.append(KVGroup(spec.block_size, "sliding_window", spec.sliding_window))
-        elif isinstance(spec, FullAttentionSpec):
-            groups.append(KVGroup(spec.block_size))
-        else:
-            raise ValueError(
-                f"KVOffloadConnector supports full-attention and sliding-window KV-cache groups; "
-                f"group {g} is {type(spec).__name__}"
-            )
-    return groups
 
 
 def _extra_keys(request: Request, start: int, end: int) -> Any:
@@ -57,18 +43,21 @@ def _extra_keys(request: Request, start: int, end: int) -> Any:
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
         tiers = config.tiers
+        groups = kv_groups(vllm_config, kv_cache_config)
+        offloaded = [g for g, group in enumerate(groups) if group.offloaded]
+        f = tiers.blocks_per_offload_block
         try:
             self.manager = build_manager(
                 tiers,
-                host_block_bytes(kv_cache_config, tiers.blocks_per_offload_block),
-                kv_identity(vllm_config, kv_cache_config, tiers.blocks_per_offload_block),
+                host_block_bytes(kv_cache_config, offloaded, f),
+                kv_identity(vllm_config, kv_cache_config, offloaded, f),
             )
         except ValueError as exc:
             raise ValueError(f"kv_connector_extra_config: {exc}") from None
         hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
         self.scheduler = OffloadingScheduler(
             self.manager,
-            _kv_groups(kv_cache_config),
+            groups,
             hash_block_size=hash_block_size,
             blocks_per_offload_block=tiers.blocks_per_offload_block,
             kv_events=config.kv_events,
@@ -92,12 +81,17 @@ class SchedulerSide:
         self.scheduler.on_allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVOffloadMetadata:
+        # Mamba "align" states written this step, with their exact blocks (vLLM hands them
+        # over because a state's block table position is not stable)
+        block_state = getattr(out, "kv_connector_block_state", None)
+        states = dict(block_state.boundary_state_offloads) if block_state is not None else {}
         steps = [
             StepRequest(
                 new.req_id,
                 new.block_ids,
                 new.num_computed_tokens + out.num_scheduled_tokens[new.req_id],
                 True,
+                states.pop(new.req_id, ()),
             )
             for new in out.scheduled_new_reqs
         ]
@@ -109,8 +103,10 @@ class SchedulerSide:
                     cached.new_block_ids[i],
                     cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0),
                     req_id in cached.resumed_req_ids,
+                    states.pop(req_id, ()),
                 )
             )
+        steps += [StepRequest(req_id, None, 0, states=handed) for req_id, handed in states.items()]
         plan = self.scheduler.build_step(steps, out.preempted_req_ids or ())
         return KVOffloadMetadata(plan, idle=out.total_num_scheduled_tokens == 0)
 

@@ -9,8 +9,11 @@ results and reports requests whose loads finished (``finished_recving``) and hel
 requests whose jobs all finished (``finished_sending``), without waiting, except in a step
 without a forward pass, where it first waits up to ``idle_wait_s`` for the loads and tier
 transfers in flight; ``build_worker_meta`` sends the
-finished jobs to the scheduler; device blocks of failed loads go to
-``get_block_ids_with_load_errors`` so the engine recomputes them.
+finished jobs to the scheduler. A failed load is reported so that the engine recomputes
+what it did not get: on a model with one KV-cache group by its device blocks
+(``get_block_ids_with_load_errors``: the blocks before the first failed one stay computed),
+on a model with several by its request (``failed_recving``: vLLM maps block ids back to
+requests only when they are unique to one group, and refuses block-level failures there).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvoffload.faults import FaultInjectingWorker
 from kvoffload.integrations.vllm.config import OffloadConfig
-from kvoffload.integrations.vllm.layout import build_layout, host_block_bytes, kv_identity
+from kvoffload.integrations.vllm.groups import kv_groups
+from kvoffload.integrations.vllm.identity import kv_identity
+from kvoffload.integrations.vllm.layout import build_layout, check_layout, host_block_bytes
 from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.stats import WorkerMetrics
 from kvoffload.scheduler import StepPlan, TransferJob
@@ -48,6 +53,8 @@ class WorkerSide:
         self._held: dict[str, set[int]] = {}
         self._finished: dict[int, tuple[int, bool]] = {}
         self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()  # multi-group models: failed loads by request
+        self._per_request = kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
         self._rejected_loads: set[str] = set()  # requests whose load failed at submit
         self.metrics = WorkerMetrics()  # every job's outcome, for kvoffload.metrics and vLLM's stats
         # "auto" is decided by the KV cache's device in register_kv_caches
@@ -58,12 +65,14 @@ class WorkerSide:
         if interval and sys.getswitchinterval() > interval:
             logger.info("kvoffload: switch interval %g s -> %g s", sys.getswitchinterval(), interval)
             sys.setswitchinterval(interval)
-        layout = build_layout(kv_caches, self._kv_cache_config)
+        kv_config, tiers = self._kv_cache_config, self._config.tiers
+        offloaded = [g for g, group in enumerate(kv_groups(self._vllm_config, kv_config)) if group.offloaded]
+        f = tiers.blocks_per_offload_block
+        layout = build_layout(kv_caches, kv_config, offloaded, len(kv_config.kv_cache_groups))
         if self._config.sync_stores == "auto":
             self.sync_stores = layout.device.type == "cpu"
-        tiers = self._config.tiers
-        per_block = host_block_bytes(self._kv_cache_config, tiers.blocks_per_offload_block)
-        identity = kv_identity(self._vllm_config, self._kv_cache_config, tiers.blocks_per_offload_block)
+        per_block = check_layout(layout, host_block_bytes(kv_config, offloaded, f), f)
+        identity = kv_identity(self._vllm_config, kv_config, offloaded, f)
         rank = self._vllm_config.parallel_config.rank
         self.worker = build_worker(tiers, layout, per_block, identity, rank)
         if self._config.faults is not None:  # the fault_injection key: tests and drills only
@@ -121,7 +130,10 @@ class WorkerSide:
         if not job.req_id:
             return None  # a transfer between tiers: no request waits on it
         if not job.is_store and not success:
-            self._load_errors.update(int(b) for b in job.dst_spec.block_ids)
+            if self._per_request:
+                self._failed_requests.add(job.req_id)
+            else:
+                self._load_errors.update(int(b) for b in job.dst_spec.block_ids)
         return job.req_id, job.is_store
 
     def get_finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
@@ -175,8 +187,15 @@ class WorkerSide:
         return meta
 
     def take_load_errors(self) -> set[int]:
+        """Device blocks of failed loads (models with one KV-cache group)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed (models with several KV-cache groups); each is
+        also among the finished ones ``get_finished`` returned in the same step."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def shutdown(self) -> None:
         self.metrics.close()
