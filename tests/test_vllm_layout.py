@@ -27,7 +27,9 @@ from kvoffload.integrations.vllm.layout import (  # noqa: E402
 
 BLOCKS = 6
 FULL = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-SLIDING = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+SLIDING = SlidingWindowSpec(
+    block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64
+)
 PAGE = FULL.page_size_bytes  # 2 heads x 32 tokens x (32 + 32) x 4 bytes = 16 KiB
 
 
@@ -81,7 +83,9 @@ def test_layout_views_are_the_pages_the_layers_use(make):
         for b in range(BLOCKS):
             # write through the engine's view of the page's last layer, read the layout row
             caches[page.layers[-1]][b].fill_(float(10 * t + b + 1))
-        expected = torch.stack([caches[page.layers[-1]][b].reshape(-1).view(torch.uint8) for b in range(BLOCKS)])
+        expected = torch.stack(
+            [caches[page.layers[-1]][b].reshape(-1).view(torch.uint8) for b in range(BLOCKS)]
+        )
         assert torch.equal(layout.tensors[t], expected)
     for g in groups:  # every group names the pages of its layers
         assert {layout.names[i] for i in layout.groups[g]} == {
