@@ -39,12 +39,22 @@ ENGINE_BLOCKS = 48  # the engine's own KV cache: a fraction of the 40 prefixes' 
 RATE = 0.2
 
 
+SMALL = dict(num_layers=2, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=256,
+             max_position_embeddings=1024)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     # Smaller than the demo's model: 2,000 requests are computed in this module.
-    path = tmp_path_factory.mktemp("model") / "small-llama"
-    return str(build_tiny_llama(path, num_layers=2, hidden_size=128, num_heads=2, num_kv_heads=2,
-                                intermediate_size=256, max_position_embeddings=1024))  # fmt: skip
+    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "small-llama", **SMALL))
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A sliding-window layer and a full-attention layer: two KV-cache groups overlaid on
+    one allocation. A window of one block makes the engine null the blocks behind it."""
+    path = tmp_path_factory.mktemp("model") / "small-hybrid"
+    return str(build_tiny_llama(path, sliding_window=BLOCK, **SMALL))
 
 
 def shared_prefix_prompts() -> list[str]:
@@ -120,6 +130,28 @@ def test_a_fifth_of_loads_and_stores_failing_changes_no_output(model, baseline):
         "cpu_bytes_to_use": 4000 * kv_block_bytes(model, BLOCK),
         "fault_injection": {"seed": 1, "load_failure_rate": RATE, "store_failure_rate": RATE},
     }
+    check_faults(model, extra, baseline["shared"])
+
+
+def test_failing_loads_and_stores_on_a_hybrid_with_a_disk_tier_change_no_output(hybrid, tmp_path):
+    """vLLM refuses block-level load failures on a model with several KV-cache groups: they
+    go by request (``failed_recving``), and the engine stays up and recomputes them. The
+    host tier is small, so loads are also served by promotions from the disk tier."""
+    llm = engine(hybrid, ENGINE_BLOCKS)
+    try:
+        expected = generate(llm, shared_prefix_prompts())
+    finally:
+        close_llm(llm)
+    extra = {
+        "cpu_bytes_to_use": 24 * kv_block_bytes(hybrid, BLOCK),
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs"), "bytes_to_use": 64 << 20}],
+        "fault_injection": {"seed": 2, "load_failure_rate": RATE, "store_failure_rate": RATE},
+    }
+    stats = check_faults(hybrid, extra, expected)
+    assert stats.tokens_by_source.get("DISK", 0) > 0  # some loads came up from the disk tier
+
+
+def check_faults(model, extra, expected):
     llm = engine(model, ENGINE_BLOCKS, extra)
     try:
         log = LoadLog(llm)
@@ -128,10 +160,11 @@ def test_a_fifth_of_loads_and_stores_failing_changes_no_output(model, baseline):
         stats = scheduler_connector(llm).offload_stats()
         injected = injector().stats()
         failed_load_ids = set(injector().injected["load"])
+        offloading = scheduler_connector(llm)._scheduler.scheduler
     finally:
         close_llm(llm)
 
-    assert outputs == baseline["shared"]
+    assert outputs == expected
     # The workload made the engine offload and reload, and the faults hit both directions.
     assert injected.loads >= 100 and injected.stores >= 100
     assert injected.failed_loads >= 0.1 * injected.loads
@@ -151,6 +184,7 @@ def test_a_fifth_of_loads_and_stores_failing_changes_no_output(model, baseline):
         assert len(jobs) <= 1 + log.preempted[req], f"request {req} loaded {len(jobs)} times"
         failed = [i for i, job in enumerate(jobs) if job in failed_load_ids]
         assert not failed or failed[0] == len(jobs) - 1, f"request {req} loaded again after a failed load"
+    return offloading
 
 
 def test_host_tier_full_under_a_burst_of_stores_declines_them(model, baseline):

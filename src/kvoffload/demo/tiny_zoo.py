@@ -33,9 +33,13 @@ from typing import Any
 
 from kvoffload.demo.tiny_model import _BOS_ID, _EOS_ID, _PAD_ID, _build, build_tiny_llama
 
-__all__ = ["FAMILIES", "build_tiny_model", "tiny_model_spec"]
+__all__ = ["BUILD_ONLY", "FAMILIES", "build_tiny_model", "engine_args", "tiny_model_spec"]
 
-FAMILIES = ("llama", "sliding_window", "mla", "gdn", "mamba2")
+FAMILIES = ("llama", "sliding_window", "mla", "gdn")
+BUILD_ONLY = ("mamba2",)
+# `make_llm` arguments a family needs on vLLM's CPU build: its GDN kernel and AMX MLA
+# (the only CPU MLA that keeps prefix caching on) compute in bfloat16 only.
+_ENGINE_ARGS: dict[str, dict[str, Any]] = {"mla": {"dtype": "bfloat16"}, "gdn": {"dtype": "bfloat16"}}
 _FORMAT_VERSION = 1
 _VOCAB = 512
 _HIDDEN = 256
@@ -129,8 +133,15 @@ def tiny_model_spec(family: str, seed: int = 0) -> dict[str, Any]:
         "config": dict(config),
         "vocab_size": _VOCAB,
         "seed": seed,
-        "dtype": "float32",
+        "dtype": engine_args(family).get("dtype", "float32"),
     }
+
+
+def engine_args(family: str) -> dict[str, Any]:
+    """Extra `kvoffload.demo.offline.make_llm` keyword arguments `family` needs."""
+    if family not in FAMILIES + BUILD_ONLY:
+        raise ValueError(f"family must be one of {FAMILIES + BUILD_ONLY}, got {family!r}")
+    return dict(_ENGINE_ARGS.get(family, {}))
 
 
 def build_tiny_model(path: str | os.PathLike[str], family: str, seed: int = 0) -> Path:
@@ -140,8 +151,6 @@ def build_tiny_model(path: str | os.PathLike[str], family: str, seed: int = 0) -
         return build_tiny_llama(path, seed=seed)
     if family == "sliding_window":
         return build_tiny_llama(path, seed=seed, sliding_window=64)
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     return _build(path, tiny_model_spec(family, seed), _model_config)
 
 
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Build a tiny random model of one family and its tokenizer offline.",
     )
     parser.add_argument("path", help="output folder (reused if already built)")
-    parser.add_argument("family", choices=FAMILIES)
+    parser.add_argument("family", choices=FAMILIES + BUILD_ONLY)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
