@@ -36,6 +36,7 @@ from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.stats import WorkerMetrics
 from kvoffload.scheduler import StepPlan, TransferJob
 from kvoffload.tiers.factory import build_worker
+from kvoffload.transfer import KVLayout
 from kvoffload.worker import OffloadingWorker
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class WorkerSide:
         self._kv_cache_config = kv_cache_config
         self._config = config
         self.worker: OffloadingWorker | None = None
+        self.layout: KVLayout | None = None  # the offloaded pages of vLLM's KV cache
         self._jobs: dict[int, TransferJob] = {}  # submitted, not finished
         self._held: dict[str, set[int]] = {}
         self._finished: dict[int, tuple[int, bool]] = {}
@@ -68,7 +70,7 @@ class WorkerSide:
         kv_config, tiers = self._kv_cache_config, self._config.tiers
         offloaded = [g for g, group in enumerate(kv_groups(self._vllm_config, kv_config)) if group.offloaded]
         f = tiers.blocks_per_offload_block
-        layout = build_layout(kv_caches, kv_config, offloaded, len(kv_config.kv_cache_groups))
+        layout = self.layout = build_layout(kv_caches, kv_config, offloaded, len(kv_config.kv_cache_groups))
         if self._config.sync_stores == "auto":
             self.sync_stores = layout.device.type == "cpu"
         per_block = check_layout(layout, host_block_bytes(kv_config, offloaded, f), f)
