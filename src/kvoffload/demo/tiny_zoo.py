@@ -1,24 +1,29 @@
 """Tiny random models of several families, built offline, for end-to-end tests.
 
-`build_tiny_model(path, family, seed=0)` writes one model of `family` (one of
-`FAMILIES`) and the byte-level tokenizer of `kvoffload.demo.tiny_model` into `path` and
-returns it, with the same contract as `build_tiny_llama`: offline, deterministic
-(seeded), idempotent (a build with the same family and seed is reused, another build of
-ours is replaced, a foreign folder is refused) and atomic.
-
-Each family gives vLLM a different KV-cache layout:
+`build_tiny_model(path, family, seed=0)` writes one model of `family` and the byte-level
+tokenizer of `kvoffload.demo.tiny_model` into `path` and returns it, with the contract of
+`build_tiny_llama`: offline, deterministic (seeded), idempotent (the same family and seed
+is reused, another build of ours replaced, a foreign folder refused) and atomic.
+`engine_args(family)` gives the extra `kvoffload.demo.offline.make_llm` arguments the
+family needs on vLLM's CPU build. Each family gives vLLM another KV-cache layout; all
+have vocab 512 and KV-cache block size 32 there:
 
 - ``llama``: full attention only (`build_tiny_llama` defaults).
-- ``sliding_window``: Gemma-3 text model, sliding-window and full-attention groups.
-- ``mla``: DeepSeek-V2 with multi-head latent attention (kv_lora_rank 512 +
-  qk_rope_head_dim 64 = 576, the latent size vLLM's CPU MLA kernels take), dense MLPs.
-- ``gdn``: Qwen3-Next hybrid, three gated-delta-net (linear attention) layers and one
-  full-attention layer, with small MoE MLPs; vLLM gives the GDN layers a MambaSpec group.
-- ``mamba2``: Granite-4.0-H (GraniteMoeHybrid) hybrid, three Mamba2 layers and one
-  full-attention layer, dense MLPs; the Mamba2 layers get a MambaSpec group.
+- ``sliding_window``: Gemma-3 text model (`build_tiny_llama` with sliding_window 64),
+  a sliding-window and a full-attention group.
+- ``mla``: DeepSeek-V2, multi-head latent attention (kv_lora_rank 512 + qk_rope_head_dim
+  64 = 576), dense MLPs; one MLAAttentionSpec group. Runs in bfloat16 (AMX MLA).
+- ``gdn``: Qwen3-Next, three gated-delta-net layers (one MambaSpec group each) and one
+  full-attention layer, MoE MLPs (4 experts, 2 per token). Runs in bfloat16.
+- ``mamba2`` (`BUILD_ONLY`): Granite-4.0-H (GraniteMoeHybrid), three Mamba2 layers and one
+  full-attention layer. vLLM 0.32's CPU build fails its first prefill with prefix caching
+  on (the CPU chunk scan returns no per-chunk states for the align-mode checkpoint).
 
-Weights are float32, with initialiser ranges chosen so that greedy decoding of different
-prompts gives varied tokens rather than one repeated token.
+`FAMILIES` are the families that run under `make_llm`. Initialiser ranges are chosen so
+that greedy outputs of different prompts are varied, not one repeated token. In bfloat16
+a prefix-cache hit and a full prefill of the same prompt may still pick different tokens
+for ``mla`` (its cached-context path rounds differently); two hits of the same length
+agree.
 
 CLI: `python -m kvoffload.demo.tiny_zoo PATH FAMILY [--seed N]`.
 """
@@ -26,6 +31,7 @@ CLI: `python -m kvoffload.demo.tiny_zoo PATH FAMILY [--seed N]`.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from pathlib import Path
@@ -38,13 +44,19 @@ __all__ = ["BUILD_ONLY", "FAMILIES", "build_tiny_model", "engine_args", "tiny_mo
 FAMILIES = ("llama", "sliding_window", "mla", "gdn")
 BUILD_ONLY = ("mamba2",)
 # `make_llm` arguments a family needs on vLLM's CPU build: its GDN kernel and AMX MLA
-# (the only CPU MLA that keeps prefix caching on) compute in bfloat16 only.
-_ENGINE_ARGS: dict[str, dict[str, Any]] = {"mla": {"dtype": "bfloat16"}, "gdn": {"dtype": "bfloat16"}}
+# (the only CPU MLA that keeps prefix caching on) compute in bfloat16 only, and its
+# rotary-embedding op mis-rotates MLA's 3-D multi-head q_pe (depending on the batch), so
+# MLA takes the op's native PyTorch version.
+_ENGINE_ARGS: dict[str, dict[str, Any]] = {
+    "mla": {"dtype": "bfloat16", "compilation_config": {"custom_ops": ["-rotary_embedding"]}},
+    "gdn": {"dtype": "bfloat16"},
+}
 _FORMAT_VERSION = 1
 _VOCAB = 512
 _HIDDEN = 256
 
-# Per family: the transformers class names and the config arguments (beyond `_common`).
+# Per family: the transformers config and model class names and the config arguments
+# beyond those `_model_config` sets for all.
 _FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mla": (
         "DeepseekV2Config",
@@ -80,6 +92,8 @@ _FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             intermediate_size=512,
             linear_key_head_dim=128,
             linear_value_head_dim=128,
+            # One small GDN state per layer, padded to the attention page of 32 tokens
+            # (8 KV heads x 128): vLLM's attention block size stays 32.
             linear_num_key_heads=1,
             linear_num_value_heads=1,
             linear_conv_kernel_dim=4,
@@ -107,7 +121,7 @@ _FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             mamba_n_heads=8,
             mamba_d_head=64,
             mamba_n_groups=1,
-            mamba_d_state=64,
+            mamba_d_state=16,  # a Mamba2 state that fits an attention page of 32 tokens
             mamba_d_conv=4,
             mamba_expand=2,
             mamba_chunk_size=256,
@@ -141,16 +155,19 @@ def engine_args(family: str) -> dict[str, Any]:
     """Extra `kvoffload.demo.offline.make_llm` keyword arguments `family` needs."""
     if family not in FAMILIES + BUILD_ONLY:
         raise ValueError(f"family must be one of {FAMILIES + BUILD_ONLY}, got {family!r}")
-    return dict(_ENGINE_ARGS.get(family, {}))
+    return copy.deepcopy(_ENGINE_ARGS.get(family, {}))
 
 
 def build_tiny_model(path: str | os.PathLike[str], family: str, seed: int = 0) -> Path:
     """Build (or reuse) a tiny random model of `family` + tokenizer in `path`; returns
     `path` as a `Path`, ready for `vllm.LLM(model=path, tokenizer=path)`."""
+    if family not in FAMILIES + BUILD_ONLY:
+        raise ValueError(f"family must be one of {FAMILIES + BUILD_ONLY}, got {family!r}")
     if family == "llama":
         return build_tiny_llama(path, seed=seed)
     if family == "sliding_window":
-        return build_tiny_llama(path, seed=seed, sliding_window=64)
+        # The default range (0.1) lets greedy decoding of some prompts cycle on 2-3 tokens.
+        return build_tiny_llama(path, seed=seed, sliding_window=64, initializer_range=0.2)
     return _build(path, tiny_model_spec(family, seed), _model_config)
 
 
