@@ -134,3 +134,19 @@ def test_state_groups_need_one_device_block_per_offloaded_block():
         OffloadingScheduler(manager, (STATE, ATTN), hash_block_size=4, blocks_per_offload_block=2)
     with pytest.raises(ValueError, match="no KV-cache group is offloaded"):
         OffloadingScheduler(manager, (KVGroup(4, offloaded=False),), hash_block_size=4)
+
+
+def test_a_state_block_handed_out_again_waits_for_the_store_reading_it():
+    """A state's block is the engine's to reuse once a later state is written: a store
+    still copying from it must complete before the step that reuses it (``flush``)."""
+    manager, sched = make((STATE, ATTN))
+    sched.match(Req("a", list(range(18))), 0)
+    sched.on_allocated("a", [[NULL, NULL, NULL, 41, 42], [1, 2, 3, 4, 5]], 0)
+    (store,) = sched.build_step([StepRequest("a", None, 16, states=[(0, 41, 16)])]).stores
+    sched.match(Req("b", [9] * 10), 0)
+    sched.on_allocated("b", [[], []], 0)
+    plan = sched.build_step([StepRequest("b", [[41], [6]], 4)])  # block 41 reused by b
+    assert plan.flush == {"a": [store.job_id]}
+    sched.complete_jobs([(store.job_id, True)])
+    plan = sched.build_step([StepRequest("b", [[41], [7]], 8)])
+    assert plan.flush == {}  # flushed once; a completed store fences nothing
