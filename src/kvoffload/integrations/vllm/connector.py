@@ -156,7 +156,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             return self._worker.metrics.take_stats()
         if self._scheduler_metrics is not None:
-            return self._scheduler_metrics.take_stats()
+            return self._scheduler_metrics.take_stats(self._scheduler_side().changes)
         return None
 
     @classmethod

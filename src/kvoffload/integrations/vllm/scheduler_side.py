@@ -67,17 +67,21 @@ class SchedulerSide:
         )
         self._num_workers = vllm_config.parallel_config.world_size
         self._reports: dict[int, tuple[int, bool]] = {}
+        # calls that may have changed a counter: the metrics are read again only after one
+        self.changes = 0
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         # vLLM's kv_transfer_params become the request context's hints (tiers may read them)
+        self.changes += 1
         tokens = self.scheduler.match(request, num_computed_tokens, request.kv_transfer_params)
         if tokens is None:
             return None, False
         return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        self.changes += 1
         self.scheduler.on_allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVOffloadMetadata:
@@ -108,6 +112,8 @@ class SchedulerSide:
             )
         steps += [StepRequest(req_id, None, 0, states=handed) for req_id, handed in states.items()]
         plan = self.scheduler.build_step(steps, out.preempted_req_ids or ())
+        if plan.loads or plan.stores or plan.transfers or plan.flush or plan.hold_blocks:
+            self.changes += 1
         return KVOffloadMetadata(plan, idle=out.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -122,15 +128,22 @@ class SchedulerSide:
                 done.append((job_id, ok))
             else:
                 self._reports[job_id] = (count, ok)
-        self.scheduler.complete_jobs(done)
+        if done:
+            self.changes += 1
+            self.scheduler.complete_jobs(done)
 
     def request_finished(self, request: Request) -> bool:
+        self.changes += 1
         return self.scheduler.request_finished(request.request_id)
 
     def take_events(self) -> Iterable[vllm_events.KVCacheEvent]:
-        return [to_vllm_event(event) for event in self.scheduler.take_events()]
+        events = self.scheduler.take_events()
+        if events:
+            self.changes += 1
+        return [to_vllm_event(event) for event in events]
 
     def reset_cache(self) -> bool:
+        self.changes += 1
         try:
             self.scheduler.reset()
         except RuntimeError:

@@ -27,6 +27,7 @@ appear on vLLM's ``/metrics``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from kvoffload.metrics.samples import (
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_DEVICE, MEDIUM_DISK
 
 _SEP = "\x1f"
+STALE_S = 1.0  # the longest the scheduler side's metrics go unread while nothing of it ran
 
 CACHE_HIT_SOURCES = {MEDIUM_CPU: CacheHitSource.HOST, MEDIUM_DISK: CacheHitSource.DISK}
 
@@ -139,9 +141,18 @@ class SchedulerMetrics:
         self.labels = tier_labels(media, secondary_names)
         self.source = SchedulerSource(scheduler, self.labels)
         self._delta = _Delta()
+        self._seen: int | None = None
+        self._read_at = 0.0
         kvmetrics.register(self.source)
 
-    def take_stats(self) -> KVOffloadConnectorStats | None:
+    def take_stats(self, changes: int | None = None) -> KVOffloadConnectorStats | None:
+        """``changes``: the scheduler side's count of calls that may have changed a counter;
+        while it stands still the read is skipped (most engine steps), except once every
+        ``STALE_S`` for what the tiers' own threads change (a Redis tier's lookups)."""
+        now = time.monotonic()
+        if changes is not None and changes == self._seen and now - self._read_at < STALE_S:
+            return None
+        self._seen, self._read_at = changes, now
         samples = Samples()
         self.source.read_metrics(samples)
         return self._delta.take(samples)
@@ -218,6 +229,7 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
     ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, Any] = {}
+        self._children: dict[tuple[str, int, str], Any] = {}
         for key, metric in METRICS.items():
             if key.startswith(("events_", "subscriber_")):
                 continue  # kvoffload's own event transport: not used inside vLLM
@@ -238,14 +250,20 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
             self._metrics[key] = cls(**kwargs)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        children = self._children
         for kind in (COUNTER, GAUGE, HISTOGRAM):
             for key, series in transfer_stats_data.get(kind, {}).items():
                 metric = self._metrics.get(key)
                 if metric is None:
                     continue
                 for labels, value in series.items():
-                    child = metric.labels(*engine, *(labels.split(_SEP) if labels else ()))
+                    # a labelled child looked up once (prometheus_client's lookup takes a
+                    # lock and builds tuples: most of this call's time on every step)
+                    child = children.get((key, engine_idx, labels))
+                    if child is None:
+                        engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+                        child = metric.labels(*engine, *(labels.split(_SEP) if labels else ()))
+                        children[key, engine_idx, labels] = child
                     if kind == COUNTER:
                         child.inc(value)
                     elif kind == GAUGE:
