@@ -41,6 +41,9 @@ def _extra_keys(request: Request, start: int, end: int) -> Any:
 
 
 class SchedulerSide:
+    # calls that may have changed a counter: the metrics are read again only after one
+    changes = 0
+
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> None:
         tiers = config.tiers
         groups = kv_groups(vllm_config, kv_cache_config)
@@ -67,8 +70,6 @@ class SchedulerSide:
         )
         self._num_workers = vllm_config.parallel_config.world_size
         self._reports: dict[int, tuple[int, bool]] = {}
-        # calls that may have changed a counter: the metrics are read again only after one
-        self.changes = 0
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
