@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv test lint format demo bench clean redis-server
+.PHONY: venv test lint format demo bench clean redis-server vllm-releases
 
 venv: $(STAMP)
 
@@ -21,8 +21,18 @@ $(STAMP): pyproject.toml src/kvoffload/transfer/_rowcopy.c src/kvoffload/tiers/f
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
-test: venv redis-server
+test: venv redis-server vllm-releases
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# vLLM releases after the CPU build's 0.32 (GPU-only wheels): installed without their
+# dependencies beside the environment, each in a folder of its own, for
+# tests/test_vllm_versions.py to drive their schedulers with the connector.
+VLLM_RELEASES ?= 0.33.0 0.34.0
+vllm-releases: venv
+	@for v in $(VLLM_RELEASES); do \
+	  test -f $(VENV)/vllm-releases/$$v/vllm/__init__.py || \
+	  $(PY) -m pip install -q --no-deps --target $(VENV)/vllm-releases/$$v vllm==$$v || exit 1; \
+	done
 
 # The shared-tier tests start their own redis-server (Debian package redis-server).
 redis-server:

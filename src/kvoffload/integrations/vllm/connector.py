@@ -16,10 +16,12 @@ runs with those tokens computed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import vllm
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -40,10 +42,31 @@ from kvoffload.integrations.vllm.stats import (
 )
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 
+logger = logging.getLogger(__name__)
+
+
+# vLLM releases the connector is tested with (tests/test_vllm_versions.py, and the CPU
+# build's engine end to end for 0.32)
+TESTED_VLLM = ("0.32", "0.33", "0.34")
+
+
+def check_vllm_version(version: str) -> bool:
+    """Whether ``version`` is a tested release; logs a warning naming it when not."""
+    if ".".join(version.split(".")[:2]) in TESTED_VLLM:
+        return True
+    logger.warning(
+        "kvoffload: vLLM %s is outside the releases KVOffloadConnector is tested with (%s)",
+        version,
+        ", ".join(TESTED_VLLM),
+    )
+    return False
+
 
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            check_vllm_version(vllm.__version__)
         if kv_cache_config is None:
             raise ValueError("KVOffloadConnector needs vLLM's kv_cache_config")
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config

@@ -101,13 +101,17 @@ class SchedulerSide:
             for new in out.scheduled_new_reqs
         ]
         cached = out.scheduled_cached_reqs
+        # vLLM 0.32/0.33 resume a preempted request among the cached ones with its whole
+        # block table (resumed_req_ids); 0.34 sends it among the new ones, whose block
+        # tables always replace what was known
+        resumed = getattr(cached, "resumed_req_ids", ())
         for i, req_id in enumerate(cached.req_ids):
             steps.append(
                 StepRequest(
                     req_id,
                     cached.new_block_ids[i],
                     cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0),
-                    req_id in cached.resumed_req_ids,
+                    req_id in resumed,
                     states.pop(req_id, ()),
                 )
             )
