@@ -160,6 +160,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def case_round_trip(model: str) -> str:
     h = Harness(model, 64)
+    assert getattr(h.scheduler, "requires_kv_delivery", False) is False  # a best-effort cache
     tokens = prompt(1, 100)
     h.add("a", tokens)
     h.run(lambda: "a" in h.finished)

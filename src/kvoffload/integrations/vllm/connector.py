@@ -196,6 +196,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """The offloading scheduler's counters (``SchedulerStats``), scheduler role only."""
         return self._scheduler_side().scheduler.stats
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """No: kvoffload is a best-effort cache. A preempted request's stores are waited
+        for before its blocks are reused (``handle_preemptions``), and a store that did
+        not happen is only a later miss, so vLLM need not recompute the request's output."""
+        return False
+
     @classmethod
     def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
         """No (vLLM 0.34 asks): offload keys are taken only from hashes of tokens the
