@@ -150,3 +150,20 @@ def test_a_state_block_handed_out_again_waits_for_the_store_reading_it():
     sched.complete_jobs([(store.job_id, True)])
     plan = sched.build_step([StepRequest("b", [[41], [7]], 8)])
     assert plan.flush == {}  # flushed once; a completed store fences nothing
+
+
+def test_offload_prompt_only_stores_no_block_an_answer_fills():
+    manager = CPUOffloadingManager(32, "lru", enable_events=True)
+    sched = OffloadingScheduler(
+        manager, (STATE, ATTN), hash_block_size=4, null_block_id=NULL, offload_prompt_only=True
+    )
+    req = Req("a", list(range(10)))  # 2 whole prompt blocks, then decoded tokens
+    sched.match(req, 0)
+    sched.on_allocated("a", [[NULL, 41, 42], [1, 2, 3]], 0)
+    plan = sched.build_step([StepRequest("a", None, 10, states=[(0, 41, 8)])])
+    assert plan.stores[0].src_spec.group_sizes.tolist() == [1, 2]
+    done(sched, plan)
+    req.all_token_ids += list(range(10, 20))  # the answer fills blocks 2..4
+    req.block_hashes = HASHER.hash_request(req.all_token_ids, 4)
+    sched.on_allocated("a", [[NULL, 41, 42, 43, 44], [1, 2, 3, 4, 5]], 0)
+    assert sched.build_step([StepRequest("a", None, 20, states=[(0, 44, 20)])]).stores == []

@@ -85,12 +85,14 @@ class OffloadingScheduler:
         store_threshold: int = 1,
         store_threshold_memory: int = DEFAULT_MEMORY,
         block_extra_keys: BlockExtraKeys | None = None,
+        offload_prompt_only: bool = False,
     ) -> None:
         """``store_threshold``: requests that must ask for a block before it is stored
         (1 = store every block); ``store_threshold_memory``: keys whose count is kept;
         ``block_extra_keys(request, start, end)``: what besides tokens the engine hashes
         into the block ``[start, end)`` (salt, adapter, multimodal items, in
-        ``kvoffload.keys`` tagged form); default ``view_extra_keys``."""
+        ``kvoffload.keys`` tagged form); default ``view_extra_keys``;
+        ``offload_prompt_only``: store blocks of prompt tokens only, not those generated."""
         if not groups:
             raise ValueError("at least one KV-cache group is needed")
         positive_int("blocks_per_offload_block", blocks_per_offload_block)
@@ -132,6 +134,7 @@ class OffloadingScheduler:
         self._flush: dict[str, list[int]] = {}
         self._freeable: set[str] = set()
         self._reuse = ReuseFilter(store_threshold, store_threshold_memory)
+        self.offload_prompt_only = offload_prompt_only
         self.stats = SchedulerStats()
         self.tokens_by_source: dict[str, int] = {}  # tokens_loaded per source medium (sources.py)
 
@@ -327,12 +330,16 @@ class OffloadingScheduler:
         # (group, offloaded block, key, device blocks)
         candidates: list[tuple[int, int, OffloadKey, Sequence[int]]] = []
         f = self.blocks_per_offload_block
-        decoding = num_computed_tokens > state.request.num_prompt_tokens
+        prompt = state.request.num_prompt_tokens
+        decoding = num_computed_tokens > prompt
+        if self.offload_prompt_only:
+            num_computed_tokens = min(num_computed_tokens, prompt)
         for g, block, end_tokens in states:
             tokens = self._tokens[g]
             j = end_tokens // tokens - 1
             if (
-                g in self._states
+                (end_tokens <= prompt or not self.offload_prompt_only)
+                and g in self._states
                 and end_tokens % tokens == 0
                 and 0 <= j < self._blocks.num_full(hashes, g)
                 and block != self.null_block_id

@@ -24,6 +24,15 @@ Keys:
   engine loop spins on its scheduler while a request waits for a promotion from a lower
   tier; at the interpreter's default of 5 ms, every socket or file call of a transfer
   thread paid that wait (``bench/bench_tier_ttft.py``).
+* ``offload_prompt_only``: store only blocks of prompt tokens (vLLM 0.32's key), default
+  false: unlike vLLM's connector (default true), kvoffload also stores the blocks an answer
+  fills, so the next turn of a conversation finds its whole history offloaded.
+* Keys of vLLM's own ``OffloadingConnector`` taken as they mean the same:
+  ``blocks_per_chunk`` (``block_size`` in engine blocks), ``self_describing_kv_events``
+  (true: ``kv_events="self_describing"``, false: ``"placeholder"``), ``max_tracker_size``
+  (the keys the ``store_threshold`` filter remembers). ``spec_name``,
+  ``spec_module_path``, ``cache_policy_module_path`` and ``canonical_layout`` are refused
+  with a one-line hint (``VLLM_ONLY_KEYS``).
 * ``sync_stores``: ``"auto"`` (default), ``true`` or ``false``: whether a step waits for
   the device-to-host copies of the stores it started before it returns. ``auto`` waits
   when the engine's KV cache is in host memory (vLLM's CPU build): there the copies run on
@@ -43,6 +52,7 @@ from typing import Any
 
 from kvoffload.faults import FaultConfig
 from kvoffload.scheduler.events import EVENT_MODES
+from kvoffload.scheduler.reuse import DEFAULT_MEMORY
 from kvoffload.tiers.factory import TierConfig
 from kvoffload.tiers.secondary import parse_secondary_tiers
 from kvoffload.validation import positive_int
@@ -61,7 +71,21 @@ KNOWN_KEYS = (
     "switch_interval_s",
     "sync_stores",
     "idle_wait_s",
+    "offload_prompt_only",
+    "blocks_per_chunk",
+    "self_describing_kv_events",
+    "max_tracker_size",
 )
+
+# vLLM OffloadingConnector keys with no kvoffload meaning -> what to do instead
+VLLM_ONLY_KEYS = {
+    "spec_name": "kvoffload builds its own tiers: remove it (tiers of your own go in "
+    "secondary_tiers as {'type': 'package.module:ClassName'})",
+    "spec_module_path": "kvoffload builds its own tiers: remove it (tiers of your own go in "
+    "secondary_tiers as {'type': 'package.module:ClassName'})",
+    "cache_policy_module_path": "give the policy as eviction_policy='package.module:ClassName'",
+    "canonical_layout": "kvoffload keeps blocks in the engine's own page layout: remove it",
+}
 
 
 @dataclass(frozen=True)
@@ -76,6 +100,8 @@ class OffloadConfig:
     switch_interval_s: float = DEFAULT_SWITCH_INTERVAL_S
     sync_stores: str | bool = "auto"
     idle_wait_s: float = DEFAULT_IDLE_WAIT_S
+    offload_prompt_only: bool = False
+    store_threshold_memory: int = DEFAULT_MEMORY
 
 
 def _positive_int(extra: Mapping[str, Any], key: str) -> int:
@@ -93,6 +119,10 @@ def _short_seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
 def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) -> OffloadConfig:
     """Validate ``extra`` against an engine whose device blocks hold ``engine_block_size`` tokens."""
     extra = dict(extra or {})
+    for key in sorted(set(extra) & set(VLLM_ONLY_KEYS)):
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}] is vLLM's OffloadingConnector's: {VLLM_ONLY_KEYS[key]}"
+        )
     unknown = sorted(set(extra) - set(KNOWN_KEYS))
     if unknown:
         raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {list(KNOWN_KEYS)}")
@@ -102,6 +132,13 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
         )
     cpu_bytes = _positive_int(extra, "cpu_bytes_to_use")
     block_size = engine_block_size
+    if "blocks_per_chunk" in extra:
+        chunk = _positive_int(extra, "blocks_per_chunk") * engine_block_size
+        if extra.setdefault("block_size", chunk) != chunk:
+            raise ValueError(
+                f"kv_connector_extra_config['blocks_per_chunk'] ({extra['blocks_per_chunk']} engine blocks: "
+                f"{chunk} tokens) disagrees with block_size={extra['block_size']!r}"
+            )
     if "block_size" in extra:
         block_size = _positive_int(extra, "block_size")
         if block_size % engine_block_size:
@@ -110,6 +147,14 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
                 f"{engine_block_size}, got {block_size}"
             )
     store_threshold = _positive_int(extra, "store_threshold") if "store_threshold" in extra else 1
+    if "self_describing_kv_events" in extra:
+        flag = _bool(extra, "self_describing_kv_events", True)
+        events = "self_describing" if flag else "placeholder"
+        if extra.setdefault("kv_events", events) != events:
+            raise ValueError(
+                f"kv_connector_extra_config['self_describing_kv_events']={flag!r} disagrees with "
+                f"kv_events={extra['kv_events']!r}"
+            )
     events = extra.get("kv_events", "self_describing")
     if events not in EVENT_MODES:
         raise ValueError(
@@ -134,4 +179,15 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
             f"kv_connector_extra_config['sync_stores'] must be 'auto', true or false, got {sync!r}"
         )
     idle_wait = _short_seconds(extra, "idle_wait_s", DEFAULT_IDLE_WAIT_S)
-    return OffloadConfig(tiers, events, store_threshold, faults, interval, sync, idle_wait)
+    prompt_only = _bool(extra, "offload_prompt_only", False)
+    memory = _positive_int(extra, "max_tracker_size") if "max_tracker_size" in extra else DEFAULT_MEMORY
+    return OffloadConfig(
+        tiers, events, store_threshold, faults, interval, sync, idle_wait, prompt_only, memory
+    )
+
+
+def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
+    return value

@@ -62,6 +62,20 @@ def check_vllm_version(version: str) -> bool:
     return False
 
 
+def warn_failure_policy(config: Any, kv_transfer_config: Any) -> bool:
+    """With a lower tier, loads can fail (a corrupt block on disk, a Redis server lost
+    mid-load): under vLLM's default policy ``fail`` such a request ends in an error.
+    Logs a warning saying so; returns whether it did."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if not config.tiers.secondary_tiers or policy != "fail":
+        return False
+    logger.warning(
+        "kvoffload: with secondary_tiers a load can fail, and kv_load_failure_policy='fail' ends such a "
+        "request in an error; set kv_load_failure_policy='recompute' to recompute it instead"
+    )
+    return True
+
+
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -75,6 +89,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._scheduler_metrics: SchedulerMetrics | None = None
         if role == KVConnectorRole.SCHEDULER:
+            warn_failure_policy(config, vllm_config.kv_transfer_config)
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, config)
             names = [tier.type_name for tier in config.tiers.secondary_tiers]
             self._scheduler_metrics = SchedulerMetrics(self._scheduler.scheduler, names)

@@ -66,6 +66,8 @@ class SchedulerSide:
             kv_events=config.kv_events,
             null_block_id=NULL_BLOCK_ID,
             store_threshold=config.store_threshold,
+            store_threshold_memory=config.store_threshold_memory,
+            offload_prompt_only=config.offload_prompt_only,
             block_extra_keys=_extra_keys,
         )
         self._num_workers = vllm_config.parallel_config.world_size
