@@ -147,11 +147,13 @@ def test_failing_loads_and_stores_on_a_hybrid_with_a_disk_tier_change_no_output(
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs"), "bytes_to_use": 64 << 20}],
         "fault_injection": {"seed": 2, "load_failure_rate": RATE, "store_failure_rate": RATE},
     }
-    stats = check_faults(hybrid, extra, expected)
+    # Most of its loads wait for a promotion from disk first: how many requests find their
+    # prefix in time varies from run to run (95-110 loads were seen), fewer than above.
+    stats = check_faults(hybrid, extra, expected, min_jobs=50)
     assert stats.tokens_by_source.get("DISK", 0) > 0  # some loads came up from the disk tier
 
 
-def check_faults(model, extra, expected):
+def check_faults(model, extra, expected, min_jobs=100):
     llm = engine(model, ENGINE_BLOCKS, extra)
     try:
         log = LoadLog(llm)
@@ -166,7 +168,7 @@ def check_faults(model, extra, expected):
 
     assert outputs == expected
     # The workload made the engine offload and reload, and the faults hit both directions.
-    assert injected.loads >= 100 and injected.stores >= 100
+    assert injected.loads >= min_jobs and injected.stores >= min_jobs
     assert injected.failed_loads >= 0.1 * injected.loads
     assert injected.failed_stores >= 0.1 * injected.stores
     assert stats.blocks_loaded > 0 and stats.blocks_stored > 0
