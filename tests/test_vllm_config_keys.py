@@ -61,3 +61,22 @@ def test_a_lower_tier_under_the_fail_policy_is_warned_about(tmp_path, caplog):
             parse_extra_config(BASE, 16), SimpleNamespace(kv_load_failure_policy="fail")
         )
     assert caplog.text.count("kv_load_failure_policy='recompute'") == 1
+
+
+def test_kv_offloading_size_replacing_the_connector_is_said_plainly(tiny_llama):
+    """vLLM's kv_offloading_size swaps the connector's name for its own and keeps our
+    module path: the lookup vLLM's factory does says what happened."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvoffload.demo.offline import kv_transfer_config
+
+    transfer = KVTransferConfig(**kv_transfer_config(dict(BASE)))
+    assert KVConnectorFactory.get_connector_class(transfer).__name__ == "KVOffloadConnector"
+    # vLLM looks the connector up while it builds its config: the user sees this at start
+    with pytest.raises(ValueError, match="--kv-offloading-size .* replaced KVOffloadConnector"):
+        VllmConfig(
+            model_config=ModelConfig(model=tiny_llama),
+            cache_config=CacheConfig(kv_offloading_size=1.0),
+            kv_transfer_config=transfer,
+        )
