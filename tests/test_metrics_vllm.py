@@ -108,6 +108,15 @@ def test_scraped_metrics_match_the_run(model):
         assert value(got, "kvoffload_capacity_blocks", **primary) == 400
         assert value(got, "kvoffload_transfer_jobs_in_flight", **load) == 0
         assert value(got, "vllm:kv_offload_cpu_cache_usage_perc") == 0
+        # vLLM 0.34's info metric: 400 slots of one engine block; a 4,096-token request
+        # (max_model_len) needs 128 of them, so 3 such requests fit
+        info = {
+            "cpu_num_chunks": "400",
+            "cpu_blocks_per_chunk": "1",
+            "cpu_kv_cache_size_bytes": str(400 * block_bytes),
+            "cpu_kv_cache_size_tokens": str(3 * 4096),
+        }
+        assert value(got, "vllm:kv_offload_config_info", **info) == 1
 
         # vLLM's own registry, fed by the connector stats path
         seen = scrape(vllms.server_port)
@@ -120,6 +129,7 @@ def test_scraped_metrics_match_the_run(model):
         assert value(seen, "vllm:kvoffload_scheduler_loads_planned_total") == loads
         assert value(seen, "vllm:kv_offload_load_size_count") == loads
         assert value(seen, "vllm:kvoffload_blocks", **primary, state="idle") == 2 * BLOCKS
+        assert value(seen, "vllm:kv_offload_config_info", **info) == 1
     finally:
         ours.shutdown()
         vllms.shutdown()

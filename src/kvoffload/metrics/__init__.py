@@ -53,6 +53,9 @@ lookups, hits, evictions per tier             ``kvoffload_lookups``, ``kvoffload
 tokens loaded into the device, by source      ``kvoffload_hit_tokens{tier}``
 blocks by state, capacity                     ``kvoffload_blocks{tier,state}``,
                                               ``kvoffload_capacity_blocks{tier}``
+the host tier's configuration (1, facts in    ``vllm:kv_offload_config_info`` (vLLM 0.34's,
+labels: slots, engine blocks per slot,        ``{cpu_num_chunks,cpu_blocks_per_chunk,``
+bytes, tokens of max_model_len requests)      ``cpu_kv_cache_size_bytes,_tokens}``)
 a tier's own counters (corrupt blocks,        ``kvoffload_tier_counter{tier,side,counter}``
 outages, probes, ...)
 scheduler: tokens loaded, loads planned,      ``kvoffload_scheduler_<field>``

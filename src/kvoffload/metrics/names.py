@@ -17,6 +17,13 @@ from kvoffload.scheduler.state import SchedulerStats
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
 TIER, DIRECTION, OUTCOME, STATE, SIDE, NAME = "tier", "direction", "outcome", "state", "side", "counter"
+# vLLM 0.34's label names for its info metric (vllm:kv_offload_config_info)
+CONFIG_INFO_LABELS = (
+    "cpu_num_chunks",
+    "cpu_blocks_per_chunk",
+    "cpu_kv_cache_size_bytes",
+    "cpu_kv_cache_size_tokens",
+)
 PRIMARY_TIER = "0:primary"  # vLLM 0.32's label for the primary (host) tier; secondaries "i:type"
 UNKNOWN_TIER = "unknown"
 
@@ -85,6 +92,9 @@ _DEFS = [
     Metric("blocks", GAUGE, "Blocks held, by state (in_flight: being written, pinned: being read, idle)",
            (TIER, STATE)),
     Metric("capacity_blocks", GAUGE, "Blocks the tier can hold", (TIER,)),
+    Metric("config_info", GAUGE, "The host tier's static configuration in its labels (always 1): "
+           "block slots, engine blocks per slot, bytes, and KV tokens of max_model_len requests it holds",
+           CONFIG_INFO_LABELS, vllm="vllm:kv_offload_config_info"),
     Metric("cpu_cache_usage_perc", GAUGE, "Fraction of host blocks in use by transfers (written or read)",
            vllm="vllm:kv_offload_cpu_cache_usage_perc"),
     Metric("cpu_cache_write_usage_perc", GAUGE, "Fraction of host blocks being written",

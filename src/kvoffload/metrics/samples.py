@@ -288,13 +288,20 @@ class TransferMeter:
 class SchedulerSource:
     """An ``OffloadingScheduler`` and its manager's tiers; ``labels``: medium -> tier."""
 
-    def __init__(self, scheduler: Any, labels: Mapping[str, str]) -> None:
+    def __init__(
+        self, scheduler: Any, labels: Mapping[str, str], config_info: Sequence[str] | None = None
+    ) -> None:
+        """``config_info``: the values of ``CONFIG_INFO_LABELS`` (the host tier's static
+        configuration), reported as one ``config_info`` series; none without it."""
         self.scheduler = scheduler
         self.labels = dict(labels)
+        self.config_info = tuple(config_info) if config_info is not None else None
 
     def read_metrics(self, samples: Samples) -> None:
         read_scheduler(samples, self.scheduler, self.labels)
         read_manager(samples, self.scheduler.manager, self.labels)
+        if self.config_info is not None:
+            samples.add("config_info", 1, self.config_info)
 
 
 class WorkerSource:

@@ -92,7 +92,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             warn_failure_policy(config, vllm_config.kv_transfer_config)
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, config)
             names = [tier.type_name for tier in config.tiers.secondary_tiers]
-            self._scheduler_metrics = SchedulerMetrics(self._scheduler.scheduler, names)
+            self._scheduler_metrics = SchedulerMetrics(
+                self._scheduler.scheduler, names, self._scheduler.config_info
+            )
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, config)
 

@@ -40,6 +40,22 @@ def _extra_keys(request: Request, start: int, end: int) -> Any:
     return generate_block_hash_extra_keys(request, start, end, 0)[0]
 
 
+def config_info(
+    num_blocks: int, f: int, block_bytes: int, groups: list, max_model_len: int
+) -> tuple[str, ...]:
+    """The host tier's static facts, as vLLM 0.34's ``vllm:kv_offload_config_info`` labels
+    them: block slots, engine blocks per slot, bytes, and the KV tokens of
+    ``max_model_len``-token requests it holds (each needs every block of each attention
+    group it spans and one state of each state group)."""
+    per_request = sum(
+        1 if group.is_state else -(-max_model_len // (group.block_size * f))
+        for group in groups
+        if group.offloaded
+    )
+    tokens = num_blocks // per_request * max_model_len if per_request and max_model_len > 0 else 0
+    return (str(num_blocks), str(f), str(num_blocks * block_bytes), str(tokens))
+
+
 class SchedulerSide:
     # calls that may have changed a counter: the metrics are read again only after one
     changes = 0
@@ -49,11 +65,10 @@ class SchedulerSide:
         groups = kv_groups(vllm_config, kv_cache_config)
         offloaded = [g for g, group in enumerate(groups) if group.offloaded]
         f = tiers.blocks_per_offload_block
+        block_bytes = host_block_bytes(kv_cache_config, offloaded, f)
         try:
             self.manager = build_manager(
-                tiers,
-                host_block_bytes(kv_cache_config, offloaded, f),
-                kv_identity(vllm_config, kv_cache_config, offloaded, f),
+                tiers, block_bytes, kv_identity(vllm_config, kv_cache_config, offloaded, f)
             )
         except ValueError as exc:
             raise ValueError(f"kv_connector_extra_config: {exc}") from None
@@ -69,6 +84,9 @@ class SchedulerSide:
             store_threshold_memory=config.store_threshold_memory,
             offload_prompt_only=config.offload_prompt_only,
             block_extra_keys=_extra_keys,
+        )
+        self.config_info = config_info(
+            tiers.num_host_blocks(block_bytes), f, block_bytes, groups, vllm_config.model_config.max_model_len
         )
         self._num_workers = vllm_config.parallel_config.world_size
         self._reports: dict[int, tuple[int, bool]] = {}

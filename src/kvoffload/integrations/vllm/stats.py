@@ -136,10 +136,10 @@ class _Delta:
 class SchedulerMetrics:
     """The scheduler side's metrics: its scheduler and every tier of its manager."""
 
-    def __init__(self, scheduler: Any, secondary_names: list[str]) -> None:
+    def __init__(self, scheduler: Any, secondary_names: list[str], config_info: Any = None) -> None:
         media = [tier.medium for tier in manager_tiers(scheduler.manager)[1:]]
         self.labels = tier_labels(media, secondary_names)
-        self.source = SchedulerSource(scheduler, self.labels)
+        self.source = SchedulerSource(scheduler, self.labels, config_info)
         self._delta = _Delta()
         self._seen: int | None = None
         self._read_at = 0.0
