@@ -167,3 +167,26 @@ def test_offload_prompt_only_stores_no_block_an_answer_fills():
     req.block_hashes = HASHER.hash_request(req.all_token_ids, 4)
     sched.on_allocated("a", [[NULL, 41, 42, 43, 44], [1, 2, 3, 4, 5]], 0)
     assert sched.build_step([StepRequest("a", None, 20, states=[(0, 44, 20)])]).stores == []
+
+
+def test_vllm_hands_over_a_state_of_a_request_it_did_not_schedule_this_step():
+    """vLLM's boundary-state hand-offs may name a request with no tokens this step: the
+    connector's scheduler half still plans the store."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+
+    side = object.__new__(SchedulerSide)  # only the translation of vLLM's scheduler output
+    manager, side.scheduler = make((STATE, ATTN))
+    req = Req("a", list(range(18)))
+    side.scheduler.match(req, 0)
+    side.scheduler.on_allocated("a", [[NULL, NULL, NULL, 41, 42], [1, 2, 3, 4, 5]], 0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])  # 0.34's shape
+    out = SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={},
+        total_num_scheduled_tokens=0, preempted_req_ids=set(),
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads={"a": [(0, 41, 16)]}),
+    )  # fmt: skip
+    (store,) = side.build_connector_meta(out).plan.stores
+    assert store.src_spec.block_ids.tolist() == [41] and store.src_spec.group_sizes.tolist() == [1, 0]

@@ -270,6 +270,9 @@ def case_events(model: str) -> str:
         kv_events.msgspec.msgpack.encode(batch), type=kv_events.KVEventBatch
     )
     assert decoded.events == events
+    from kvoffload.integrations.vllm.scheduler_side import _SAME_FIELDS
+
+    assert all(_SAME_FIELDS.values()), _SAME_FIELDS  # every class converts on the positional path
     return f"events={len(events)} {type(events[0]).__name__}"
 
 
