@@ -222,8 +222,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
-        """No (vLLM 0.34 asks): offload keys are taken only from hashes of tokens the
-        request already has, so lookahead hashes would buy nothing and are left off."""
+        """No (vLLM 0.34 asks): kvoffload keys blocks by the hashes of tokens a request
+        already has and has not been checked with vLLM's lookahead hashes (which cover
+        tokens not yet decided), so it does not claim to support them."""
         return False
 
     @classmethod
