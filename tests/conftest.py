@@ -68,3 +68,22 @@ def _no_redis_server_outlives_its_test():
     from redis_server import stop_leftovers
 
     stop_leftovers()
+
+
+@pytest.fixture
+def worker_side():
+    """Makes vLLM worker halves (``WorkerSide(...)``) and unregisters each one's metrics
+    after the test: a half registers them with kvoffload's process-wide registry, and one
+    kept alive (a raised exception's traceback holds its frame) would add its jobs to every
+    later scrape."""
+    from kvoffload.integrations.vllm.worker_side import WorkerSide
+
+    made = []
+
+    def make(*args):
+        made.append(WorkerSide(*args))
+        return made[-1]
+
+    yield make
+    for side in made:
+        side.metrics.close()

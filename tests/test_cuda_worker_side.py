@@ -9,7 +9,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvoffload.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvoffload.scheduler import StepPlan, TransferJob  # noqa: E402
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec  # noqa: E402
 from kvoffload.worker import TransferResult  # noqa: E402
@@ -50,8 +49,8 @@ def store(job_id: int, req: str) -> TransferJob:
 
 
 @pytest.mark.parametrize("error", [RuntimeError("CUDA error: out of memory"), KeyError(3), ValueError("bad")])
-def test_errors_at_submit_become_failed_jobs_not_exceptions(error):
-    side = WorkerSide(None, None, None)
+def test_errors_at_submit_become_failed_jobs_not_exceptions(error, worker_side):
+    side = worker_side(None, None, None)
     side.worker = StubWorker({1, 3}, error)
     side.start_loads(StepPlan(loads=[load(1, "a", [7, 8]), load(2, "b", [9])], hold_blocks={"c": [3]}))
     side.start_stores(StepPlan(stores=[store(3, "c")]))  # no exception reaches vLLM
@@ -63,10 +62,10 @@ def test_errors_at_submit_become_failed_jobs_not_exceptions(error):
     assert side.take_failed_requests() == set()
 
 
-def test_on_a_model_with_several_kv_groups_failed_loads_are_reported_by_request():
+def test_on_a_model_with_several_kv_groups_failed_loads_are_reported_by_request(worker_side):
     """vLLM refuses block-level load failures there (block ids repeat across groups)."""
     groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(), SimpleNamespace()])
-    side = WorkerSide(None, groups, None)
+    side = worker_side(None, groups, None)
     side.worker = StubWorker({1}, RuntimeError("refused"))
     side.start_loads(StepPlan(loads=[load(1, "a", [7, 8]), load(2, "b", [9]), load(4, "d", [5])]))
     side.worker.results = [TransferResult(2, False, 0, 0.0, "load"), TransferResult(4, True, 9, 0.1, "load")]
@@ -80,8 +79,8 @@ def test_on_a_model_with_several_kv_groups_failed_loads_are_reported_by_request(
     assert side.build_worker_meta() is None
 
 
-def test_get_finished_polls_and_never_waits_for_this_steps_loads():
-    side = WorkerSide(None, None, None)
+def test_get_finished_polls_and_never_waits_for_this_steps_loads(worker_side):
+    side = worker_side(None, None, None)
     side.worker = StubWorker(set(), RuntimeError())
     side.start_loads(StepPlan(loads=[load(5, "a", [2])]))
     assert side.get_finished() == (set(), set())  # still copying: reported later

@@ -65,8 +65,8 @@ def store(job_id: int, req: str) -> TransferJob:
     return TransferJob(job_id, req, True, DeviceLoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([job_id]))
 
 
-def side_with(delay: float, **extra) -> WorkerSide:
-    side = WorkerSide(None, None, config(**extra))
+def side_with(make, delay: float, **extra) -> WorkerSide:
+    side = make(None, None, config(**extra))
     side.worker = LateWorker(delay)
     return side
 
@@ -77,15 +77,15 @@ def timed(call):
     return result, time.perf_counter() - start
 
 
-def test_an_idle_step_waits_for_a_load_and_reports_it_at_once():
-    side = side_with(0.02, idle_wait_s=0.1)
+def test_an_idle_step_waits_for_a_load_and_reports_it_at_once(worker_side):
+    side = side_with(worker_side, 0.02, idle_wait_s=0.1)
     side.start_loads(StepPlan(loads=[load(1, "a")]))
     (sending, recving), seconds = timed(lambda: side.get_finished(idle=True))
     assert recving == {"a"} and 0.015 < seconds < 0.09  # waited for it, not for the bound
 
 
-def test_a_step_with_a_forward_pass_never_waits():
-    side = side_with(0.05, idle_wait_s=0.1)
+def test_a_step_with_a_forward_pass_never_waits(worker_side):
+    side = side_with(worker_side, 0.05, idle_wait_s=0.1)
     side.start_loads(StepPlan(loads=[load(1, "a")]))
     (_, recving), seconds = timed(lambda: side.get_finished(idle=False))
     assert recving == set() and seconds < 0.02
@@ -93,8 +93,8 @@ def test_a_step_with_a_forward_pass_never_waits():
     assert side.get_finished()[1] == {"a"}  # reported by a later step
 
 
-def test_the_wait_is_bounded_and_stores_are_not_waited_for():
-    side = side_with(0.3, idle_wait_s=0.01)
+def test_the_wait_is_bounded_and_stores_are_not_waited_for(worker_side):
+    side = side_with(worker_side, 0.3, idle_wait_s=0.01)
     side.start_loads(StepPlan(loads=[load(1, "a")]))
     (_, recving), seconds = timed(lambda: side.get_finished(idle=True))
     assert recving == set() and 0.008 < seconds < 0.1  # the bound, then on; nothing raised
@@ -105,8 +105,8 @@ def test_the_wait_is_bounded_and_stores_are_not_waited_for():
     assert seconds < 0.008
 
 
-def test_zero_turns_it_off():
-    side = side_with(0.05, idle_wait_s=0)
+def test_zero_turns_it_off(worker_side):
+    side = side_with(worker_side, 0.05, idle_wait_s=0)
     side.start_loads(StepPlan(loads=[load(1, "a")]))
     (_, recving), seconds = timed(lambda: side.get_finished(idle=True))
     assert recving == set() and seconds < 0.02

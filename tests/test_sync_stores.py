@@ -8,7 +8,6 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvoffload.integrations.vllm.config import parse_extra_config  # noqa: E402
-from kvoffload.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvoffload.scheduler import StepPlan, TransferJob  # noqa: E402
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec  # noqa: E402
 
@@ -54,8 +53,8 @@ def load(job_id: int) -> TransferJob:
 
 
 @pytest.mark.parametrize("sync", [True, False])
-def test_a_step_waits_for_its_stores_only_when_asked(sync):
-    side = WorkerSide(None, None, config(sync_stores=sync))
+def test_a_step_waits_for_its_stores_only_when_asked(sync, worker_side):
+    side = worker_side(None, None, config(sync_stores=sync))
     side.worker = RecordingWorker()
     side.start_loads(StepPlan(loads=[load(1)]))
     side.start_stores(StepPlan(stores=[store(2), store(3)]))
@@ -64,13 +63,13 @@ def test_a_step_waits_for_its_stores_only_when_asked(sync):
     assert side.worker.waited == ([[2, 3]] if sync else [])
 
 
-def test_stores_that_do_not_end_in_time_are_left_running_not_raised():
+def test_stores_that_do_not_end_in_time_are_left_running_not_raised(worker_side):
     class SlowWorker(RecordingWorker):
         def wait(self, job_ids, timeout=None):
             super().wait(job_ids, timeout)
             raise TimeoutError(f"jobs {list(job_ids)} still running")
 
-    side = WorkerSide(None, None, config(sync_stores=True))
+    side = worker_side(None, None, config(sync_stores=True))
     side.worker = SlowWorker()
     side.start_stores(StepPlan(stores=[store(4)]))  # no exception reaches vLLM
     assert side.worker.waited == [[4]]
