@@ -119,7 +119,11 @@ def test_the_scheduler_marks_steps_without_tokens_and_the_connector_passes_it_on
     from kvoffload.integrations.vllm.metadata import KVOffloadMetadata
     from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 
-    side = SimpleNamespace(scheduler=SimpleNamespace(build_step=lambda steps, preempted: StepPlan()))
+    side = SimpleNamespace(
+        scheduler=SimpleNamespace(build_step=lambda steps, preempted: StepPlan()),
+        _sync_requests=set(),
+        _sync_bytes=0.0,
+    )
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
 
     def output(tokens: int):

@@ -14,7 +14,7 @@ from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import make_offload_key
 from kvoffload.manager import LookupResult
 from kvoffload.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
-from kvoffload.tiers.redis.format import KeyNames, redis_namespace
+from kvoffload.tiers.redis.format import KeyNames, redis_namespace, value_bytes
 from kvoffload.tiers.secondary import TierContext, parse_secondary_tiers
 from kvoffload.tiers.tiered import TieredOffloadingManager
 from kvoffload.transfer import HostBlockPool, KVLayout
@@ -384,3 +384,53 @@ def test_a_tls_url(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_tensor_parallel_ranks_store_their_shares_and_a_block_counts_only_when_all_are_there(redis_server):  # noqa: F811
+    """Two ranks (world size 2): each worker stores its share under its own name; a new
+    engine's manager finds a block only while both shares exist; ``bytes_to_use`` counts
+    both; an eviction deletes both."""
+    (tier,) = parse_secondary_tiers([{"type": "redis", "url": redis_server.url, "timeout_s": 1.0}])
+    pools = [make_pool(seed=rank) for rank in range(2)]
+    block_bytes = sum(int(t.shape[1]) for t in pools[0].tensors)
+    contexts = [TierContext(block_bytes, IDENTITY, rank, 2) for rank in range(2)]
+    manager = tier.build_manager(contexts[0], "lru")
+    workers = [tier.build_worker(context, pool) for context, pool in zip(contexts, pools)]
+    try:
+        keys = [k(i) for i in range(4)]
+        out = manager.prepare_store(keys)
+        for job, worker in enumerate(workers):
+            assert run_job(worker, job, CPULoadStoreSpec(range(4)), out.store_spec, 10.0).success
+        manager.complete_store(out.keys_to_store)
+        client = redis_server.client()
+        names = [KeyNames("kvoffload", redis_namespace({**IDENTITY, "rank": rank})) for rank in range(2)]
+        assert sorted(client.keys("*")) == sorted(n.name(key) for n in names for key in keys)
+        # rank 1's share of block 2 is lost
+        assert client.delete(names[1].name(keys[2])) == 1
+        fresh = tier.build_manager(contexts[0], "lru")
+        try:
+            assert [until(lambda key=key: (r := fresh.lookup(key)) is not RETRY and r) for key in keys] == [
+                HIT, HIT, MISS, HIT,
+            ]  # fmt: skip
+        finally:
+            fresh.close()
+    finally:
+        for worker in workers:
+            worker.close()
+        manager.close()
+    (budgeted,) = parse_secondary_tiers(
+        [{"type": "redis", "url": redis_server.url, "bytes_to_use": 3 * value_bytes(block_bytes)}]
+    )
+    one, two = (budgeted.build_manager(TierContext(block_bytes, IDENTITY, 0, n), "lru") for n in (1, 2))
+    try:
+        assert (one.stats().capacity, two.stats().capacity) == (3, 1)  # every rank's share counted
+        client = redis_server.client()
+        client.flushall()
+        out = two.prepare_store([k(10)])
+        client.mset({n.name(k(10)): b"x" for n in names})  # as the two workers would
+        two.complete_store(out.keys_to_store)
+        two.complete_store(two.prepare_store([k(11)]).keys_to_store)  # evicts k(10): both shares go
+        until(lambda: client.exists(*[n.name(k(10)) for n in names]) == 0)
+    finally:
+        one.close()
+        two.close()

@@ -4,13 +4,19 @@ An engine adapter builds both halves from one ``TierConfig`` and the bytes one o
 block takes on the host (a page of every KV tensor, ``blocks_per_offload_block`` times),
 so the scheduler's slot ids and the worker's host pool always agree on the block count:
 
-* ``build_manager(config, block_bytes, identity)`` -> the ``OffloadingManager`` the
+* ``build_manager(config, block_bytes, identity, world_size=W)`` -> the ``OffloadingManager`` the
   scheduler plans with: the CPU tier (``kvoffload.cpu.CPUOffloadingManager``) alone, or a
   ``TieredOffloadingManager`` over it and the configured secondary tiers;
-* ``build_worker(config, layout, block_bytes, identity, rank)`` -> the
+* ``build_worker(config, layout, block_bytes, identity, rank, world_size=W)`` -> the
   ``OffloadingWorker`` that moves the jobs: a ``WorkerRouter`` over the host-memory
   ``TransferEngine`` and each secondary tier's worker. It imports the transfer layer
   (torch) only when called: the scheduler side never loads it.
+
+With tensor (or pipeline) parallelism each of the ``W`` workers holds its own share of
+every block (``block_bytes`` is one worker's); the byte budgets (``cpu_bytes_to_use``, a
+secondary tier's ``bytes_to_use``) are totals over the ``W`` workers, as in vLLM, so each
+worker's host pool holds ``cpu_bytes_to_use // (block_bytes * W)`` blocks, and a block is
+in a tier only when every worker holds its share (``TierContext``).
 
 ``identity`` describes what the block bytes mean (model, dtype, layout, block size, group
 specs, hash seed); secondary tiers derive their namespace from it
@@ -57,15 +63,15 @@ class TierConfig:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"eviction_policy: {exc}") from None
 
-    def num_host_blocks(self, block_bytes: int) -> int:
-        """How many offloaded blocks of ``block_bytes`` fit in ``cpu_bytes_to_use``."""
+    def num_host_blocks(self, block_bytes: int, world_size: int = 1) -> int:
+        """How many offloaded blocks fit in ``cpu_bytes_to_use`` when each of ``world_size``
+        workers holds ``block_bytes`` of every block."""
         positive_int("block_bytes", block_bytes)
-        count = self.cpu_bytes_to_use // block_bytes
+        positive_int("world_size", world_size)
+        count = self.cpu_bytes_to_use // (block_bytes * world_size)
         if count == 0:
-            raise ValueError(
-                f"cpu_bytes_to_use={self.cpu_bytes_to_use} holds no offloaded block "
-                f"({block_bytes} bytes each)"
-            )
+            each = f"{block_bytes} bytes each" + (f" on {world_size} workers" if world_size > 1 else "")
+            raise ValueError(f"cpu_bytes_to_use={self.cpu_bytes_to_use} holds no offloaded block ({each})")
         return count
 
 
@@ -74,12 +80,14 @@ def build_manager(
     block_bytes: int,
     identity: Mapping[str, Any] | None = None,
     enable_events: bool = True,
+    world_size: int = 1,
 ) -> OffloadingManager:
-    """The scheduler-side manager of the configured tiers."""
-    cpu = CPUOffloadingManager(config.num_host_blocks(block_bytes), config.eviction_policy, enable_events)
+    """The scheduler-side manager of the configured tiers, for ``world_size`` workers."""
+    num_blocks = config.num_host_blocks(block_bytes, world_size)
+    cpu = CPUOffloadingManager(num_blocks, config.eviction_policy, enable_events)
     if not config.secondary_tiers:
         return cpu
-    context = TierContext(block_bytes, dict(identity or {}))
+    context = TierContext(block_bytes, dict(identity or {}), 0, world_size)
     secondaries = [tier.build_manager(context, config.eviction_policy) for tier in config.secondary_tiers]
     return TieredOffloadingManager(cpu, secondaries)
 
@@ -90,14 +98,17 @@ def build_worker(
     block_bytes: int,
     identity: Mapping[str, Any] | None = None,
     rank: int = 0,
+    world_size: int = 1,
 ) -> OffloadingWorker:
-    """The worker side of the configured tiers, over the device KV described by ``layout``."""
+    """Worker ``rank``'s side of the configured tiers, over the device KV described by
+    ``layout``."""
     from kvoffload.transfer.engine import TransferEngine
     from kvoffload.transfer.host_pool import HostBlockPool
 
-    pool = HostBlockPool(layout, config.num_host_blocks(block_bytes), config.blocks_per_offload_block)
+    num_blocks = config.num_host_blocks(block_bytes, world_size)
+    pool = HostBlockPool(layout, num_blocks, config.blocks_per_offload_block)
     workers: list[OffloadingWorker] = [TransferEngine(layout, pool)]
-    context = TierContext(block_bytes, dict(identity or {}), rank)
+    context = TierContext(block_bytes, dict(identity or {}), rank, world_size)
     try:
         workers += [tier.build_worker(context, pool) for tier in config.secondary_tiers]
     except BaseException:

@@ -39,11 +39,30 @@ _BUILTIN = {"fs": "kvoffload.tiers.fs.tier:FSTierType", "redis": "kvoffload.tier
 @dataclass(frozen=True)
 class TierContext:
     """What a secondary tier stores: ``block_bytes`` of payload per offloaded block, whose
-    meaning ``identity`` describes (JSON-serialisable); ``rank`` is the worker's rank."""
+    meaning ``identity`` describes (JSON-serialisable). ``world_size`` workers (tensor or
+    pipeline parallel ranks) each hold their own ``block_bytes`` of every block; ``rank``
+    is the worker's (0 on the scheduler side). A tier keeps each rank's share apart
+    (``rank_identity``), counts its byte budget over all of them, and its manager holds
+    a block only when every rank's share is stored."""
 
     block_bytes: int
     identity: Mapping[str, Any] = field(default_factory=dict)
     rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.world_size, int) and self.world_size >= 1):
+            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size):
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank!r}")
+
+    def rank_identity(self, rank: int | None = None) -> dict[str, Any]:
+        """The identity of one rank's share (default: this worker's)."""
+        return {**self.identity, "rank": self.rank if rank is None else rank}
+
+    def rank_identities(self) -> list[dict[str, Any]]:
+        """Every rank's, rank 0 first."""
+        return [self.rank_identity(r) for r in range(self.world_size)]
 
 
 class SecondaryTierType(ABC):

@@ -41,6 +41,13 @@ Keys:
   token); waiting instead costs the storing request about the copy's time (~1-2 ms per
   15 MiB here). On a GPU the copies overlap compute, and ``auto`` never waits.
 
+* ``sync_load_budget_bytes`` (vLLM 0.34's key): a hit of at most this many bytes (one
+  worker's, over the step's hits together) is loaded within the step that schedules its
+  request, before the forward pass, instead of one scheduler round trip later; larger
+  hits load asynchronously. Default ``DEFAULT_SYNC_LOAD_BUDGET_BYTES``; 0 turns it off.
+  Models with one KV-cache group only: vLLM cannot undo a failed load of a request
+  already running on a model with several (it recomputes one-group blocks).
+
 Every error is a ``ValueError`` whose message names the key and the bad value.
 """
 
@@ -55,10 +62,11 @@ from kvoffload.scheduler.events import EVENT_MODES
 from kvoffload.scheduler.reuse import DEFAULT_MEMORY
 from kvoffload.tiers.factory import TierConfig
 from kvoffload.tiers.secondary import parse_secondary_tiers
-from kvoffload.validation import positive_int
+from kvoffload.validation import non_negative_int, positive_int
 
 DEFAULT_SWITCH_INTERVAL_S = 0.0002
 DEFAULT_IDLE_WAIT_S = 0.001
+DEFAULT_SYNC_LOAD_BUDGET_BYTES = 16 << 20
 
 KNOWN_KEYS = (
     "cpu_bytes_to_use",
@@ -75,6 +83,7 @@ KNOWN_KEYS = (
     "blocks_per_chunk",
     "self_describing_kv_events",
     "max_tracker_size",
+    "sync_load_budget_bytes",
 )
 
 # vLLM OffloadingConnector keys with no kvoffload meaning -> what to do instead
@@ -102,6 +111,7 @@ class OffloadConfig:
     idle_wait_s: float = DEFAULT_IDLE_WAIT_S
     offload_prompt_only: bool = False
     store_threshold_memory: int = DEFAULT_MEMORY
+    sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET_BYTES
 
 
 def _positive_int(extra: Mapping[str, Any], key: str) -> int:
@@ -181,8 +191,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
     idle_wait = _short_seconds(extra, "idle_wait_s", DEFAULT_IDLE_WAIT_S)
     prompt_only = _bool(extra, "offload_prompt_only", False)
     memory = _positive_int(extra, "max_tracker_size") if "max_tracker_size" in extra else DEFAULT_MEMORY
+    budget = extra.get("sync_load_budget_bytes", DEFAULT_SYNC_LOAD_BUDGET_BYTES)
+    non_negative_int("kv_connector_extra_config['sync_load_budget_bytes']", budget)
     return OffloadConfig(
-        tiers, events, store_threshold, faults, interval, sync, idle_wait, prompt_only, memory
+        tiers, events, store_threshold, faults, interval, sync, idle_wait, prompt_only, memory, budget
     )
 
 

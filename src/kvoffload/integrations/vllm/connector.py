@@ -107,7 +107,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().handle_preemptions(_plan(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker_side().start_loads(_plan(self._get_connector_metadata()))
+        meta = self._get_connector_metadata()
+        self._worker_side().start_loads(_plan(meta), meta.sync_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads finish before their request is scheduled

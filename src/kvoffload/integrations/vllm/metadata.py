@@ -24,6 +24,9 @@ class KVOffloadMetadata(KVConnectorMetadata):
     # The step schedules no tokens: no forward pass runs, so the worker may wait a little
     # for its loads in flight (``idle_wait_s``) instead of letting the engine spin.
     idle: bool = False
+    # Load jobs whose requests run in this very step (``sync_load_budget_bytes``): the
+    # worker finishes them before the forward pass and reports no ``finished_recving``.
+    sync_loads: frozenset[int] = frozenset()
 
 
 @dataclass

@@ -44,7 +44,8 @@ def config_info(
     num_blocks: int, f: int, block_bytes: int, groups: list, max_model_len: int
 ) -> tuple[str, ...]:
     """The host tier's static facts, as vLLM 0.34's ``vllm:kv_offload_config_info`` labels
-    them: block slots, engine blocks per slot, bytes, and the KV tokens of
+    them: block slots, engine blocks per slot, bytes (``block_bytes``: a block's over every
+    worker), and the KV tokens of
     ``max_model_len``-token requests it holds (each needs every block of each attention
     group it spans and one state of each state group)."""
     per_request = sum(
@@ -65,10 +66,15 @@ class SchedulerSide:
         groups = kv_groups(vllm_config, kv_cache_config)
         offloaded = [g for g, group in enumerate(groups) if group.offloaded]
         f = tiers.blocks_per_offload_block
-        block_bytes = host_block_bytes(kv_cache_config, offloaded, f)
+        block_bytes = host_block_bytes(kv_cache_config, offloaded, f)  # one worker's share
+        # tensor (and pipeline) parallel workers: each holds its share of every block
+        self._num_workers = world_size = vllm_config.parallel_config.world_size
         try:
             self.manager = build_manager(
-                tiers, block_bytes, kv_identity(vllm_config, kv_cache_config, offloaded, f)
+                tiers,
+                block_bytes,
+                kv_identity(vllm_config, kv_cache_config, offloaded, f),
+                world_size=world_size,
             )
         except ValueError as exc:
             raise ValueError(f"kv_connector_extra_config: {exc}") from None
@@ -86,10 +92,20 @@ class SchedulerSide:
             block_extra_keys=_extra_keys,
         )
         self.config_info = config_info(
-            tiers.num_host_blocks(block_bytes), f, block_bytes, groups, vllm_config.model_config.max_model_len
+            tiers.num_host_blocks(block_bytes, world_size),
+            f,
+            block_bytes * world_size,
+            groups,
+            vllm_config.model_config.max_model_len,
         )
-        self._num_workers = vllm_config.parallel_config.world_size
         self._reports: dict[int, tuple[int, bool]] = {}
+        # Loads within the step (sync_load_budget_bytes): one worker's bytes per token of a
+        # hit; one KV-cache group only (vLLM recomputes a failed one's blocks; with several
+        # groups it cannot undo a failed load of a request already running)
+        self._sync_budget = config.sync_load_budget_bytes if len(groups) == 1 else 0
+        self._bytes_per_token = block_bytes / (groups[0].block_size * f) if len(groups) == 1 else 0.0
+        self._sync_requests: set[str] = set()  # this step's, while it is being scheduled
+        self._sync_bytes = 0.0
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -99,7 +115,17 @@ class SchedulerSide:
         tokens = self.scheduler.match(request, num_computed_tokens, request.kv_transfer_params)
         if tokens is None:
             return None, False
-        return tokens, tokens > 0
+        return tokens, tokens > 0 and not self._reserve_sync_load(request.request_id, tokens)
+
+    def _reserve_sync_load(self, req_id: str, tokens: int) -> bool:
+        """Whether the hit fits what is left of this step's sync-load budget (reserved if so)."""
+        self._sync_requests.discard(req_id)
+        size = tokens * self._bytes_per_token
+        if not self._sync_budget or self._sync_bytes + size > self._sync_budget:
+            return False
+        self._sync_bytes += size
+        self._sync_requests.add(req_id)
+        return True
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         self.changes += 1
@@ -139,7 +165,9 @@ class SchedulerSide:
         plan = self.scheduler.build_step(steps, out.preempted_req_ids or ())
         if plan.loads or plan.stores or plan.transfers or plan.flush or plan.hold_blocks:
             self.changes += 1
-        return KVOffloadMetadata(plan, idle=out.total_num_scheduled_tokens == 0)
+        sync = frozenset(job.job_id for job in plan.loads if job.req_id in self._sync_requests)
+        self._sync_requests, self._sync_bytes = set(), 0.0  # the budget is per step
+        return KVOffloadMetadata(plan, idle=out.total_num_scheduled_tokens == 0, sync_loads=sync)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta

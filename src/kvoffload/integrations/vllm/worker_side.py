@@ -58,6 +58,7 @@ class WorkerSide:
         self._failed_requests: set[str] = set()  # multi-group models: failed loads by request
         self._per_request = kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
         self._rejected_loads: set[str] = set()  # requests whose load failed at submit
+        self._sync_jobs: set[int] = set()  # loads whose request runs in their step
         self.metrics = WorkerMetrics()  # every job's outcome, for kvoffload.metrics and vLLM's stats
         # "auto" is decided by the KV cache's device in register_kv_caches
         self.sync_stores = config is not None and config.sync_stores is True
@@ -75,14 +76,18 @@ class WorkerSide:
             self.sync_stores = layout.device.type == "cpu"
         per_block = check_layout(layout, host_block_bytes(kv_config, offloaded, f), f)
         identity = kv_identity(self._vllm_config, kv_config, offloaded, f)
-        rank = self._vllm_config.parallel_config.rank
-        self.worker = build_worker(tiers, layout, per_block, identity, rank)
+        parallel = self._vllm_config.parallel_config
+        self.worker = build_worker(tiers, layout, per_block, identity, parallel.rank, parallel.world_size)
         if self._config.faults is not None:  # the fault_injection key: tests and drills only
             self.worker = FaultInjectingWorker(self.worker, self._config.faults)
             logger.warning("kvoffload: fault injection is on: %s", self._config.faults)
-        num_blocks = tiers.num_host_blocks(per_block)
+        num_blocks = tiers.num_host_blocks(per_block, parallel.world_size)
         logger.info(
-            "kvoffload: %d host blocks (%.1f MiB) for %s", num_blocks, num_blocks * per_block / 2**20, layout
+            "kvoffload: rank %d: %d host blocks (%.1f MiB) for %s",
+            parallel.rank,
+            num_blocks,
+            num_blocks * per_block / 2**20,
+            layout,
         )
         self.metrics.attach(self.worker, [tier.type_name for tier in tiers.secondary_tiers])
 
@@ -91,10 +96,20 @@ class WorkerSide:
         if jobs and self.worker is not None:
             self.worker.wait(jobs)
 
-    def start_loads(self, plan: StepPlan) -> None:
+    def start_loads(self, plan: StepPlan, sync_loads: frozenset[int] = frozenset()) -> None:
+        """Submit the step's loads and transfers; the loads in ``sync_loads`` (their
+        requests run in this step) are waited for: a failure among them is reported by
+        its device blocks (``take_load_errors``), never as ``finished_recving``."""
         for req_id, jobs in plan.hold_blocks.items():
             self._held[req_id] = set(jobs)
+        self._sync_jobs.update(sync_loads)
         self._submit(plan.loads)
+        if sync_loads:
+            waiting = [job for job in sync_loads if job in self._jobs]
+            try:
+                self.worker.wait(waiting, SYNC_STORES_TIMEOUT_S)
+            except TimeoutError as exc:  # the step cannot run on KV that is not there
+                raise RuntimeError(f"kvoffload: loads of this step still copying: {exc}") from exc
         self._submit(plan.transfers)  # between tiers: no device block, no hurry
 
     def start_stores(self, plan: StepPlan) -> None:
@@ -129,6 +144,8 @@ class WorkerSide:
             return None
         self.metrics.finished(job, success, result)
         self._finished[job_id] = (1, success)
+        sync = job_id in self._sync_jobs
+        self._sync_jobs.discard(job_id)
         if not job.req_id:
             return None  # a transfer between tiers: no request waits on it
         if not job.is_store and not success:
@@ -136,6 +153,8 @@ class WorkerSide:
                 self._failed_requests.add(job.req_id)
             else:
                 self._load_errors.update(int(b) for b in job.dst_spec.block_ids)
+        if sync:
+            return None  # its request is running: vLLM expects no finished_recving
         return job.req_id, job.is_store
 
     def get_finished(self, idle: bool = False) -> tuple[set[str], set[str]]:

@@ -21,6 +21,10 @@ Specs are ``DiskLoadStoreSpec(slots, keys)``.
   left out (and overwritten when their slot is reused). With events enabled it queues
   ONE ``removed=False`` event listing the blocks found, so a restarted engine announces
   them.
+* Tensor parallelism: each worker writes its share of a block into its own namespace, in
+  the slot this one manager handed out. ``rank_namespaces`` names the other ranks'; they
+  are created, locked and scanned with this one, and a block is rebuilt only where every
+  rank holds it intact in the same slot (the others count as ``partial_at_start``).
 * ``discard(keys)`` drops idle keys that a failed read found corrupt or unreadable (the
   worker has already invalidated them on disk): misses from then on, one
   ``removed=True`` event, counted in ``counters().discarded``.
@@ -32,7 +36,6 @@ Specs are ``DiskLoadStoreSpec(slots, keys)``.
 from __future__ import annotations
 
 import array
-import fcntl
 import os
 from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
@@ -52,11 +55,16 @@ from kvoffload.manager import (
 from kvoffload.policies import CachePolicy, resolve_policy
 from kvoffload.private import open_private
 from kvoffload.specs import MEDIUM_DISK, DiskLoadStoreSpec
-from kvoffload.tiers.fs.format import INFO_FILE, LOCK_FILE, MAX_KEY_BYTES, Geometry
+from kvoffload.tiers.fs.format import INFO_FILE, MAX_KEY_BYTES, Geometry
 from kvoffload.tiers.fs.index import SlotIndex
-from kvoffload.tiers.fs.namespace import check_namespace, namespace_digest, open_namespace_dir
+from kvoffload.tiers.fs.namespace import (
+    check_namespace,
+    lock_namespace_dir,
+    namespace_digest,
+    open_namespace_dir,
+)
 from kvoffload.tiers.fs.order import make_order
-from kvoffload.tiers.fs.scan import scan_namespace
+from kvoffload.tiers.fs.scan import scan_ranks
 from kvoffload.validation import positive_int
 
 _HIT = LookupResult.HIT
@@ -70,6 +78,7 @@ class FSManagerCounters(Counters):
     rebuilt: int = 0  # blocks found intact at start-up
     torn_at_start: int = 0  # non-empty header records left out at start-up
     duplicates_at_start: int = 0  # older copies of a key held by another slot
+    partial_at_start: int = 0  # blocks some rank's share lacked (tensor parallelism)
     discarded: int = 0  # blocks dropped by discard()
     evictions: int = 0
 
@@ -90,13 +99,15 @@ class FSOffloadingManager(OffloadingManager):
         *,
         max_key_bytes: int = 36,
         verify_on_start: bool = False,
-        info: str | None = None,
+        info: str | Sequence[str] | None = None,
+        rank_namespaces: Sequence[str] = (),
     ) -> None:
         """``block_bytes``: payload bytes of one block (the host pool's bytes per host
         block); ``max_key_bytes``: the longest key (``OffloadKey`` of a 32-byte hash is
         36); ``verify_on_start``: also check every payload's CRC while rebuilding (a full
         read); ``info``: text written to ``namespace.json`` for people (e.g.
-        ``namespace.describe(identity)``)."""
+        ``namespace.describe(identity)``), or one per namespace (this one first);
+        ``rank_namespaces``: the other ranks' namespaces, rank 1 first."""
         self.geometry = Geometry(positive_int("block_bytes", block_bytes))
         self.num_blocks = self.geometry.num_slots(bytes_to_use)
         self.bytes_to_use = bytes_to_use
@@ -105,8 +116,16 @@ class FSOffloadingManager(OffloadingManager):
         policy_cls = resolve_policy(cache_policy)
         self.namespace = check_namespace(namespace)
         self.path = open_namespace_dir(root_dir, namespace)
+        self.rank_namespaces = [check_namespace(ns) for ns in rank_namespaces]
+        paths = [self.path] + [open_namespace_dir(root_dir, ns) for ns in self.rank_namespaces]
         self.enable_events = enable_events
-        self._lock_fd = self._lock()
+        self._lock_fds: list[int] = []
+        try:
+            for path in paths:
+                self._lock_fds.append(lock_namespace_dir(path))
+        except BaseException:
+            self.close()
+            raise
         n = self.num_blocks
         self._index = SlotIndex(n, max_key_bytes)
         self._find = self._index.find
@@ -127,35 +146,24 @@ class FSOffloadingManager(OffloadingManager):
         self._in_flight = 0
         self._pinned = 0
         self._counters = FSManagerCounters()
-        if info is not None:
-            info_fd = open_private(os.path.join(self.path, INFO_FILE), os.O_WRONLY | os.O_TRUNC)
-            with os.fdopen(info_fd, "w") as f:
-                f.write(info + "\n")
-        self._rebuild(verify_on_start)
+        infos = [info] * len(paths) if info is None or isinstance(info, str) else list(info)
+        for path, text in zip(paths, infos):
+            if text is not None:
+                fd = open_private(os.path.join(path, INFO_FILE), os.O_WRONLY | os.O_TRUNC)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text + "\n")
+        self._rebuild(paths, verify_on_start)
 
-    def _lock(self) -> int:
-        try:
-            fd = open_private(os.path.join(self.path, LOCK_FILE), os.O_RDWR)
-        except OSError as exc:
-            raise ValueError(f"root_dir {os.path.dirname(self.path)!r} cannot be written: {exc}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise ValueError(
-                f"namespace {self.path!r} is in use by another disk-tier manager (one per namespace; "
-                "give each engine its own root_dir or close the other first)"
-            ) from None
-        return fd
-
-    def _rebuild(self, verify: bool) -> None:
-        found = scan_namespace(
-            self.path, self.geometry, self.num_blocks, namespace_digest(self.namespace),
-            self._index.max_key_bytes, verify,
+    def _rebuild(self, paths: list[str], verify: bool) -> None:
+        namespaces = [self.namespace, *self.rank_namespaces]
+        found = scan_ranks(
+            [(path, namespace_digest(ns)) for path, ns in zip(paths, namespaces)],
+            self.geometry, self.num_blocks, self._index.max_key_bytes, verify,
         )  # fmt: skip
         counters = self._counters
         counters.torn_at_start = found.torn
         counters.duplicates_at_start = found.duplicates
+        counters.partial_at_start = found.partial
         counters.rebuilt = len(found.slots)
         if not found.slots:
             return
@@ -378,12 +386,10 @@ class FSOffloadingManager(OffloadingManager):
         self.order.on_request_finished(request, key_groups, inserted, reused)
 
     def close(self) -> None:
-        """Release the namespace lock; the manager must not be used afterwards."""
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        """Release the namespace locks; the manager must not be used afterwards."""
+        fds, self._lock_fds = getattr(self, "_lock_fds", []), []
+        for fd in fds:
+            os.close(fd)
 
     def __del__(self) -> None:
-        fd = getattr(self, "_lock_fd", -1)
-        if fd >= 0:
-            os.close(fd)
+        self.close()

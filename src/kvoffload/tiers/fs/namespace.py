@@ -16,13 +16,14 @@ is a ``TypeError`` naming the field, because a ``repr`` may differ between proce
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvoffload.private import private_dir
-from kvoffload.tiers.fs.format import DIGEST_BYTES, FORMAT_VERSION
+from kvoffload.private import open_private, private_dir
+from kvoffload.tiers.fs.format import DIGEST_BYTES, FORMAT_VERSION, LOCK_FILE
 from kvoffload.tiers.identity import canonical_identity
 
 PREFIX = "kv-"
@@ -114,3 +115,22 @@ def open_namespace_dir(root_dir: str | os.PathLike, namespace: str) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"root_dir {os.fspath(root_dir)!r} is not writable ({path})")
     return path
+
+
+def lock_namespace_dir(path: str) -> int:
+    """An exclusive lock on the namespace directory ``path`` (its lock file's descriptor;
+    the lock dies with the descriptor or the process). ``ValueError`` when another manager,
+    in any process, holds it or the directory cannot be written."""
+    try:
+        fd = open_private(os.path.join(path, LOCK_FILE), os.O_RDWR)
+    except OSError as exc:
+        raise ValueError(f"root_dir {os.path.dirname(path)!r} cannot be written: {exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ValueError(
+            f"namespace {path!r} is in use by another disk-tier manager (one per namespace; "
+            "give each engine its own root_dir or close the other first)"
+        ) from None
+    return fd

@@ -12,6 +12,11 @@ oldest write first (so an LRU order rebuilt from them puts the newest last):
 * ``verify=True`` also reads every kept payload and checks its CRC (a full read of the
   tier: for audits, not for every start); mismatches count as torn.
 
+``scan_ranks(namespaces, ...)`` scans the namespaces of every rank's share of the blocks
+(tensor parallelism: one namespace per worker, slots handed out by one manager) and keeps
+a block only where every rank holds it intact in the same slot; the others count as
+``partial``.
+
 It opens files read-only, never writes, and tolerates missing files (an empty tier).
 """
 
@@ -52,6 +57,7 @@ class ScanResult:
     keys: list[bytes] = field(default_factory=list)
     torn: int = 0
     duplicates: int = 0
+    partial: int = 0  # blocks some rank's share lacked (scan_ranks)
 
 
 def scan_namespace(
@@ -122,6 +128,30 @@ def scan_namespace(
         newest = _verified(ns_dir, geometry, raw, newest, result)
     result.keys = list(newest)
     result.slots = list(newest.values())
+    return result
+
+
+def scan_ranks(
+    namespaces: list[tuple[str | os.PathLike, bytes]],
+    geometry: Geometry,
+    num_slots: int,
+    max_key_bytes: int,
+    verify: bool = False,
+) -> ScanResult:
+    """``scan_namespace`` of each ``(ns_dir, digest)``, rank 0 first, joined: the blocks
+    every rank holds in the same slot, in rank 0's order; counts summed."""
+    scans = [scan_namespace(p, geometry, num_slots, d, max_key_bytes, verify) for p, d in namespaces]
+    result = scans[0]
+    seen = set(result.keys)
+    for other in scans[1:]:
+        result.torn += other.torn
+        result.duplicates += other.duplicates
+        seen.update(other.keys)
+        held = dict(zip(other.keys, other.slots))
+        kept = [(key, slot) for key, slot in zip(result.keys, result.slots) if held.get(key) == slot]
+        result.keys = [key for key, _ in kept]
+        result.slots = [slot for _, slot in kept]
+    result.partial = len(seen) - len(result.keys)
     return result
 
 

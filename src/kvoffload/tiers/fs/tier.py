@@ -4,8 +4,10 @@ Keys of its entry (errors name the key and the value):
 
 * ``root_dir`` (required): the folder; blocks go to ``<root_dir>/<namespace>``, the
   namespace derived from what the blocks' bytes mean (``TierContext.identity``) and the
-  worker's rank. It is created if needed and must be writable.
-* ``bytes_to_use`` (required): the most bytes of blocks (headers included) this tier keeps.
+  worker's rank (with tensor parallelism one namespace per rank). It is created if
+  needed and must be writable.
+* ``bytes_to_use`` (required): the most bytes of blocks (headers included) this tier
+  keeps, over all ranks' namespaces (each rank's share gets an equal part).
 * ``min_free_fraction`` (default 0.05): stores are declined while the file system has less
   free space than this fraction of its size.
 * ``load_threads`` (default 4), ``store_threads`` (default 2): the worker's I/O threads.
@@ -102,22 +104,30 @@ class FSTierType(SecondaryTierType):
             **flags,
         )
 
-    def _identity(self, context: TierContext) -> dict[str, Any]:
-        return {**context.identity, "rank": context.rank}
+    def _rank_bytes(self, context: TierContext) -> int:
+        """Each rank's part of ``bytes_to_use``."""
+        share = self.bytes_to_use // context.world_size
+        if share < context.block_bytes:
+            raise ValueError(
+                f"bytes_to_use={self.bytes_to_use} over {context.world_size} ranks holds no block "
+                f"({context.block_bytes} bytes each)"
+            )
+        return share
 
     def build_manager(self, context: TierContext, eviction_policy: str) -> OffloadingManager:
         from kvoffload.tiers.fs.manager import FSOffloadingManager
 
-        identity = self._identity(context)
+        identities = context.rank_identities()
         return FSOffloadingManager(
             self.root_dir,
-            fs_namespace(identity),
+            fs_namespace(identities[0]),
             context.block_bytes,
-            self.bytes_to_use,
+            self._rank_bytes(context),
             eviction_policy,
             enable_events=True,
             verify_on_start=self.verify_on_start,
-            info=describe(identity),
+            info=[describe(identity) for identity in identities],
+            rank_namespaces=[fs_namespace(identity) for identity in identities[1:]],
         )
 
     def build_worker(self, context: TierContext, host_pool: Any) -> OffloadingWorker:
@@ -126,8 +136,8 @@ class FSTierType(SecondaryTierType):
         worker = FSWorker(
             host_pool,
             self.root_dir,
-            fs_namespace(self._identity(context)),
-            self.bytes_to_use,
+            fs_namespace(context.rank_identity()),
+            self._rank_bytes(context),
             load_threads=self.load_threads,
             store_threads=self.store_threads,
             min_free_fraction=self.min_free_fraction,

@@ -15,6 +15,10 @@ collects with ``answers()`` (never blocks).
 * ``resync``: the notification stream was (re)connected after a loss: what was missed is
   unknown, so the manager should reconcile.
 
+With tensor parallelism each rank stores its share of a block under its own name
+(``names`` holds one ``KeyNames`` per rank): a key is ``present`` only when every rank's
+name exists, ``gone`` when any rank's is; ``delete`` unlinks every rank's.
+
 Calls go through ``NodeCalls`` (a circuit breaker per node): while a node is down, probes
 of its keys fail at once. Notifications are off on a Redis Cluster (they are per node);
 reconciliation covers it.
@@ -48,13 +52,13 @@ class RemoteLookups:
     def __init__(
         self,
         connect: Callable[[], object],
-        names: KeyNames,
+        names: KeyNames | Sequence[KeyNames],
         calls: NodeCalls,
         notifications: bool = True,
         db: int = 0,
     ) -> None:
         self._connect = connect
-        self._names = names
+        self._ranks = (names,) if isinstance(names, KeyNames) else tuple(names)
         self.calls = calls
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
@@ -121,18 +125,24 @@ class RemoteLookups:
                     for start in range(0, len(item), BATCH):
                         self._exists(item[start : start + BATCH], None, "gone", None)
 
+    def _all_names(self, keys: Sequence[bytes]) -> list[bytes]:
+        return [name for ranks in self._ranks for name in ranks.names(keys)]
+
     def _exists(self, keys: Sequence[bytes], hit: str | None, miss: str, failed: str | None) -> None:
         self.probes_sent += len(keys)
-        replies = self.calls.run(self._names.names(keys), lambda name, _: ("EXISTS", name))
+        replies = self.calls.run(self._all_names(keys), lambda name, _: ("EXISTS", name))
         verdicts: dict[str | None, list[bytes]] = {hit: [], miss: [], failed: []}
-        for key, reply in zip(keys, replies):
-            verdicts[failed if isinstance(reply, NodeDown) else hit if reply else miss].append(key)
+        n = len(keys)
+        for i, key in enumerate(keys):
+            ranks = replies[i::n]  # this key's reply from every rank's name
+            down = any(isinstance(reply, NodeDown) for reply in ranks)
+            verdicts[failed if down else hit if all(ranks) else miss].append(key)
         for kind, found in verdicts.items():
             if kind and found:
                 self._answers.put(Answer(kind, tuple(found)))
 
     def _unlink(self, keys: Sequence[bytes]) -> None:
-        self.calls.run(self._names.names(keys), lambda name, _: ("UNLINK", name))
+        self.calls.run(self._all_names(keys), lambda name, _: ("UNLINK", name))
 
     # -- keyspace notifications ----------------------------------------------------------
 
@@ -160,7 +170,9 @@ class RemoteLookups:
                     message = pubsub.get_message(timeout=0.2)
                     if message is None:
                         continue
-                    key = self._names.key_of(message["data"])
+                    key = next(
+                        (k for ranks in self._ranks if (k := ranks.key_of(message["data"])) is not None), None
+                    )
                     if key is not None:
                         self._answers.put(Answer("gone", (key,)))
             except Exception:  # noqa: BLE001 - reconnect after any error, paced by the breaker delay

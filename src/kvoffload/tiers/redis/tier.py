@@ -7,8 +7,10 @@ Keys of its entry (errors name the key and the value; a URL is shown without pas
 * ``cluster`` (default false): the URL names one node of a Redis Cluster.
 * ``password_env``: the name of an environment variable holding the password (instead of
   putting it in the URL).
-* ``bytes_to_use``: the most bytes of values this engine keeps on the server; the blocks
-  it wrote are deleted there when its index evicts them. Without it the index holds up to
+* ``bytes_to_use``: the most bytes of values this engine keeps on the server (with
+  tensor parallelism, every rank's share of a block counted: each rank stores its share
+  under a name of its own); the blocks it wrote are deleted there when its index evicts
+  them. Without it the index holds up to
   ``max_index_blocks`` blocks and nothing is deleted: the server's ``maxmemory`` policy
   bounds the store.
 * ``max_index_blocks`` (default 1,000,000): blocks the local index tracks without a budget.
@@ -94,8 +96,8 @@ class RedisTierType(SecondaryTierType):
         server.password()  # an unset password_env is a configuration error
         return cls(server, {**parsed, **seconds})
 
-    def _names(self, context: TierContext) -> KeyNames:
-        return KeyNames(self.prefix, redis_namespace({**context.identity, "rank": context.rank}))
+    def _names(self, context: TierContext, rank: int | None = None) -> KeyNames:
+        return KeyNames(self.prefix, redis_namespace(context.rank_identity(rank)))
 
     def _connect(self):
         return connect(self.server)
@@ -119,7 +121,7 @@ class RedisTierType(SecondaryTierType):
         from kvoffload.tiers.redis.manager import RedisOffloadingManager
 
         self._check_server()
-        per_block = value_bytes(context.block_bytes)
+        per_block = value_bytes(context.block_bytes) * context.world_size  # every rank's share
         if self.bytes_to_use is not None:
             capacity = self.bytes_to_use // per_block
             if capacity == 0:
@@ -128,7 +130,8 @@ class RedisTierType(SecondaryTierType):
             capacity = self.max_index_blocks
         calls = NodeCalls(self._connect, f"redis tier {self.server.shown} (lookups)", self.server.cluster)
         notifications = not self.server.cluster  # per node on a cluster: reconciliation instead
-        lookups = RemoteLookups(self._connect, self._names(context), calls, notifications=notifications)
+        names = [self._names(context, rank) for rank in range(context.world_size)]
+        lookups = RemoteLookups(self._connect, names, calls, notifications=notifications)
         return RedisOffloadingManager(
             lookups,
             capacity,

@@ -1,0 +1,163 @@
+"""Tensor parallelism (TP=2) end to end on vLLM's CPU build, in a process of its own
+(``tests/test_vllm_tp.py`` runs it): vLLM's multiprocessing executor needs this module's
+``__main__`` guard and ``VLLM_ENABLE_V1_MULTIPROCESSING=1``.
+
+``python vllm_tp_driver.py MODEL ROOT_DIR REDIS_URL`` runs four engines one after the
+other and prints ``OK <phase>`` after each phase whose checks passed:
+
+* ``baseline``: TP=2 without kvoffload: the outputs to match;
+* ``reload``: TP=2 with CPU (room for 70 blocks over both workers), disk and Redis tiers:
+  outputs identical; after a prefix-cache reset the first prompt's 1,984 tokens are
+  reloaded; its blocks are announced once (not once per rank); the worker-side byte
+  counters are the sum of both ranks' shares;
+* ``partial``: rank 1's share of the second prompt removed (its disk header records cut
+  off, every Redis key of its namespace deleted), a fresh engine: the disk tier holds the
+  first prompt's 62 blocks only; the first prompt is served from disk with both ranks'
+  files, the second is recomputed without a failed load or promotion (never reported
+  loadable);
+* ``redis``: a fresh engine with the CPU and Redis tiers: the second prompt, stored
+  again by both ranks in ``partial``, is served from Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PROMPT = 2000  # tokens: 62 full blocks of 32
+OFFLOADED = 62 * 32
+TP = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+def metrics(llm) -> dict[tuple, float]:
+    """vLLM's metrics of the engine, ``(name, *label values but vLLM's own)`` -> value."""
+    out = {}
+    for m in llm.get_metrics():
+        labels = tuple(v for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
+        out[(m.name, *labels)] = getattr(m, "value", None)
+    return out
+
+
+def quiesce(llm, generate, blocks: dict[str, int], timeout: float = 60.0) -> dict[tuple, float]:
+    """Step the engine (a one-token request: no full block) until no transfer is in flight
+    and each tier in ``blocks`` (label -> count) holds that many idle blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        generate(llm, "hi", max_tokens=1)
+        seen = metrics(llm)
+        moving = sum(v for k, v in seen.items() if k[0] == "vllm:kvoffload_transfer_jobs_in_flight")
+        held = {tier: seen.get(("vllm:kvoffload_blocks", "idle", tier)) for tier in blocks}
+        if moving == 0 and held == blocks:
+            return seen
+        if time.monotonic() > deadline:
+            state = {k: v for k, v in seen.items() if "kvoffload_blocks" in k[0] or "scheduler" in k[0]}
+            raise AssertionError(f"{moving} transfers in flight, idle blocks {held} != {blocks}: {state}")
+        time.sleep(0.2)
+
+
+def stored_hashes(events, medium: str, where: str | None) -> list:
+    """The block hashes of ``BlockStored`` events of a tier (its medium and locality), in order."""
+    return [
+        h
+        for e in events
+        if type(e).__name__ == "BlockStored" and (e.medium, getattr(e, "locality", None)) == (medium, where)
+        for h in e.block_hashes
+    ]
+
+
+def main(model: str, root: str, redis_url: str) -> None:
+    import redis
+
+    from kvoffload.demo.offline import close_llm, greedy, kv_block_bytes, make_llm, word_text
+    from kvoffload.tiers.redis.format import redis_namespace
+    from test_vllm_connector import Subscriber
+
+    block = kv_block_bytes(model)  # one block over both ranks; each holds half
+    first, second = word_text(41, PROMPT), word_text(42, PROMPT)
+    fs = {"type": "fs", "root_dir": root, "bytes_to_use": 2 * 300 * (block // 2 + 8192)}
+    # two workers and their OpenMP threads on two cores: a Redis call may wait its turn
+    shared = {"type": "redis", "url": redis_url, "timeout_s": 20.0}
+    extra = {"cpu_bytes_to_use": 70 * block, "secondary_tiers": [fs, shared]}
+
+    llm = make_llm(model, **TP)
+    try:
+        expected = {text: greedy(llm, text)[0] for text in (first, second)}
+    finally:
+        close_llm(llm)
+    print("OK baseline", flush=True)
+
+    sub = Subscriber()
+    llm = make_llm(model, kvoffload=extra, events_endpoint=f"tcp://127.0.0.1:{sub.port}", **TP)
+    try:
+        assert greedy(llm, first) == (expected[first], 0)
+        # its write-through ended: the second prompt's stores can evict it from the CPU tier
+        quiesce(llm, greedy, {"0:primary": 62, "1:fs": 62, "2:redis": 62})
+        assert greedy(llm, second) == (expected[second], 0)
+        seen = quiesce(llm, greedy, {"0:primary": 70, "1:fs": 124, "2:redis": 124})
+        assert seen[("vllm:kvoffload_capacity_blocks", "0:primary")] == 70  # the total over both ranks
+        stored = seen[("vllm:kvoffload_scheduler_blocks_stored",)]
+        assert stored == 124, stored
+        # every rank's share counted once: the bytes of whole blocks, the jobs of both ranks
+        assert seen[("vllm:kv_offload_store_bytes",)] == stored * block
+        assert seen[("vllm:kvoffload_transfer_blocks", "store", "0:primary")] == 2 * stored
+        assert llm.reset_prefix_cache()
+        assert greedy(llm, first) == (expected[first], OFFLOADED)
+        seen = quiesce(llm, greedy, {"1:fs": 124, "2:redis": 124})
+        loaded = seen[("vllm:kvoffload_scheduler_blocks_loaded",)]
+        assert loaded == 62 and seen[("vllm:kv_offload_load_bytes",)] == loaded * block
+        assert seen.get(("vllm:kvoffload_scheduler_failed_loads",), 0) == 0
+        time.sleep(1)  # the last event batches
+        cpu, disk = stored_hashes(sub.events, "CPU", None), stored_hashes(sub.events, "STORAGE", "LOCAL")
+        assert len(cpu) >= 124 + 54 and len(set(cpu[:124])) == 124, (len(cpu), len(set(cpu[:124])))
+        assert len(disk) == len(set(disk)) == 124, (len(disk), len(set(disk)))
+    finally:
+        close_llm(llm)
+        sub.close()
+    print("OK reload", flush=True)
+
+    # Rank 1's share of the second prompt goes: on disk its header records past the first
+    # prompt's 62 slots, on Redis every key of its namespace.
+    identities = {d: json.loads(Path(root, d, "namespace.json").read_text()) for d in os.listdir(root)}
+    ((rank1, identity),) = [(d, identity) for d, identity in identities.items() if identity["rank"] == 1]
+    with open(os.path.join(root, rank1, "headers.dat"), "r+b") as f:
+        f.truncate(62 * 128)
+    client = redis.Redis.from_url(redis_url)
+    identity.pop("format_version")  # the disk tier's own, not part of the blocks' identity
+    gone = set(client.scan_iter(f"kvoffload:{redis_namespace(identity)}:*".encode()))  # SCAN may repeat
+    assert len(gone) == 124 and client.delete(*gone) == 124
+
+    llm = make_llm(model, kvoffload=extra, **TP)
+    try:
+        quiesce(llm, greedy, {"1:fs": 62})  # the blocks both ranks hold, and no others
+        assert greedy(llm, first) == (expected[first], OFFLOADED)  # both ranks' files
+        assert greedy(llm, second) == (expected[second], 0)  # recomputed, no load tried
+        seen = quiesce(llm, greedy, {"1:fs": 124})
+        assert seen[("vllm:kvoffload_hit_tokens", "1:fs")] == OFFLOADED
+        # no load or promotion tried of a block one rank lacks
+        assert seen.get(("vllm:kvoffload_scheduler_failed_loads",), 0) == 0
+        assert seen.get(("vllm:kvoffload_scheduler_failed_tier_transfers",), 0) == 0
+        assert seen[("vllm:kvoffload_scheduler_loads_planned",)] == 1
+    finally:
+        close_llm(llm)
+    print("OK partial", flush=True)
+
+    llm = make_llm(model, kvoffload={**extra, "secondary_tiers": [shared]}, **TP)
+    try:
+        assert greedy(llm, second) == (expected[second], OFFLOADED)
+        seen = quiesce(llm, greedy, {})
+        assert seen[("vllm:kvoffload_hit_tokens", "1:redis")] == OFFLOADED
+        assert seen.get(("vllm:kvoffload_scheduler_failed_loads",), 0) == 0
+    finally:
+        close_llm(llm)
+    print("OK redis", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
