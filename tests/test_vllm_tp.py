@@ -18,7 +18,7 @@ from redis_server import RedisServer, require_redis_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).resolve().parent / "vllm_tp_driver.py"
-PHASES = ["baseline", "reload", "partial", "redis"]
+PHASES = ["baseline", "reload", "partial"]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(600)]
 
