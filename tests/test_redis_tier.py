@@ -434,3 +434,21 @@ def test_tensor_parallel_ranks_store_their_shares_and_a_block_counts_only_when_a
     finally:
         one.close()
         two.close()
+
+
+@pytest.mark.parametrize("command", ["DEL", "UNLINK"])
+def test_a_block_deleted_on_the_server_is_announced_removed_within_seconds(replicas, redis_server, command):  # noqa: F811
+    """Keyspace notifications on (the test server's): another replica or an operator
+    deleting a block is heard at once, long before the next reconciliation (30 s)."""
+    a = replicas()
+    keys = [k(1), k(2)]
+    assert a.store(keys, [0, 1]).success
+    a.manager.take_events()
+    redis_server.client().execute_command(command, a.names.name(k(1)))
+    removed = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not removed:
+        removed = [key for e in a.manager.take_events() if e.removed for key in e.keys]
+        time.sleep(0.02)
+    assert removed == [k(1)]
+    assert a.manager.lookup(k(1)) is not HIT and a.manager.lookup(k(2)) is HIT

@@ -375,3 +375,54 @@ def test_request_block_keys_are_the_offload_keys_of_their_hashes(hashes, step, g
     want = [make_offload_key(hashes[(j + 1) * step - 1], g) for j in range(start, end)]
     got = blocks.keys(hashes, g, start, end)
     assert got == want and all(type(key) is bytes for key in got)
+
+
+class Recording(CPUOffloadingManager):
+    """A CPU tier that records every key it is asked about, touched with or stored."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list = []
+
+    def lookup(self, key):
+        self.asked.append(key)
+        return super().lookup(key)
+
+    def touch(self, keys):
+        self.asked += list(keys)
+        return super().touch(keys)
+
+    def prepare_store(self, keys):
+        self.asked += list(keys)
+        return super().prepare_store(keys)
+
+
+def test_a_prompt_ending_inside_an_offloaded_block_never_keys_that_block():
+    # F = 2: offloaded blocks of 8 tokens; a 12-token prompt fills one and half of the next
+    manager = Recording(16, "lru", enable_events=True)
+    sched = OffloadingScheduler(manager, ONE_GROUP, hash_block_size=4, blocks_per_offload_block=2)
+    a = Req("a", list(range(12)))
+    run_prefill(sched, a, [[0, 1, 2]])
+    full = make_offload_key(a.block_hashes[1], 0)  # an offloaded block is named by its last device block
+    assert set(manager.asked) == {full} and manager.stats().used == 1
+    sched.request_finished("a")
+    # b shares a's 12 tokens, then goes on: its second offloaded block (tokens 8-15) is not a's
+    b = Req("b", list(range(12)) + [99] * 8)
+    manager.asked.clear()
+    assert sched.match(b, 0) == 8
+    assert make_offload_key(a.block_hashes[2], 0) not in manager.asked
+
+
+def test_a_request_that_finishes_after_its_first_step_has_its_prompt_stored():
+    manager, sched = make()
+    a = Req("a", list(range(10)))
+    sched.match(a, 0)
+    sched.on_allocated("a", [[0, 1, 2]], 0)
+    # one step computes the whole prompt and samples the only token (max_tokens=1); the
+    # engine then finishes the request before the next step is built
+    plan = sched.build_step([StepRequest("a", None, 10)])
+    assert sched.request_finished("a") is True
+    (store,) = plan.stores
+    assert store.src_spec.block_ids.tolist() == [0, 1]  # both full blocks of the prompt
+    sched.complete_jobs([(store.job_id, True)])
+    assert sched.match(Req("b", list(range(10))), 0) == 8

@@ -349,3 +349,26 @@ def test_events_reach_vllm_as_its_own_classes_with_every_field():
         assert type(converted) is theirs
         values = msgspec.structs.asdict(ours)
         assert converted == theirs(**{k: values[k] for k in theirs.__struct_fields__})
+
+
+def test_a_request_done_after_its_first_step_has_its_prompt_stored_in_that_step(model_path):
+    llm = make_llm(model_path, kvoffload={"cpu_bytes_to_use": 256 << 20})
+    try:
+        side = worker_connector()._worker
+        stored: list[int] = []  # blocks of the stores submitted, per step that had any
+        start_stores = side.start_stores
+
+        def spy(plan):
+            if plan.stores:
+                stored.append(sum(len(job.dst_spec.block_ids) for job in plan.stores))
+            return start_stores(plan)
+
+        side.start_stores = spy
+        text = prompt(3)
+        out, cached = generate(llm, text, max_tokens=1)  # one step: the prompt and its only token
+        assert cached == 0 and stored == [62]
+        settle(llm)
+        assert llm.reset_prefix_cache()
+        assert generate(llm, text, max_tokens=1) == (out, 62 * 32)
+    finally:
+        close_llm(llm)

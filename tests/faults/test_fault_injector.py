@@ -114,6 +114,25 @@ def test_rates_are_seeded_and_count_every_failure(setup):
     assert 30 <= len(first) <= 90  # 30% of 200, loosely
 
 
+def test_exact_positions_beside_a_rate_leave_the_rate_s_choices_as_they_are(setup):
+    """One draw per job: adding positions fails those jobs too, and exactly the same others."""
+    _, _, engine = setup
+
+    def failed(**positions):
+        config = FaultConfig(seed=5, store_failure_rate=0.2, load_failure_rate=0.2, **positions)
+        worker = FaultInjectingWorker(engine, config)
+        for job_id in range(100):
+            worker.submit(job_id, *(store if job_id % 2 else load)([job_id % 8], [8 + job_id % 8]))
+            worker.wait([job_id])
+        return {r.job_id for r in worker.poll() if not r.success}
+
+    by_rate = failed()
+    both = failed(fail_stores=frozenset({0, 7}), fail_loads=frozenset({1, 2}))
+    # stores are the odd jobs (store position p is job 2p + 1), loads the even ones (2p)
+    assert both == by_rate | {1, 15, 2, 4}
+    assert by_rate and not by_rate >= {1, 15, 2, 4}
+
+
 def test_routes_are_the_inner_workers_and_an_unknown_route_still_raises(setup):
     _, _, engine = setup
     worker = FaultInjectingWorker(WorkerRouter([engine]), FaultConfig(load_failure_rate=1.0))
