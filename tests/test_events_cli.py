@@ -54,28 +54,43 @@ def test_tail_rejects_a_bad_endpoint_naming_it() -> None:
         main(["events", "tail", "udp://x:1"])
 
 
-def test_tail_subprocess_prints_counters_on_ctrl_c(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replay", [False, True])
+def test_tail_exits_with_its_counters_within_2_s_of_ctrl_c_beside_a_cpu_hog(tmp_path: Path, replay) -> None:
+    """One busy loop per core runs while the tail starts, prints and is interrupted; with
+    ``--replay`` its idle catch-ups ask a replay endpoint nobody answers."""
     endpoint = f"ipc://{tmp_path}/pub"
-    with ZmqEventPublisher(endpoint) as pub:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffload.cli", "events", "tail", endpoint],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        try:
-            assert proc.stdout is not None
-            deadline = time.monotonic() + 30
-            line = ""
-            while "BlockRemoved" not in line and time.monotonic() < deadline:
-                pub.publish([BlockRemoved([1], "CPU")])
-                if select.select([proc.stdout], [], [], 0.2)[0]:
-                    line = proc.stdout.readline()
-            assert "BlockRemoved medium=CPU" in line
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=20)
-        finally:
-            proc.kill()
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    extra = ["--replay", f"ipc://{tmp_path}/nobody"] if replay else []
+    try:
+        with ZmqEventPublisher(endpoint) as pub:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvoffload.cli", "events", "tail", endpoint, *extra],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            try:
+                assert proc.stdout is not None
+                deadline = time.monotonic() + 40
+                line = ""
+                while "BlockRemoved" not in line and time.monotonic() < deadline:
+                    pub.publish([BlockRemoved([1], "CPU")])
+                    if select.select([proc.stdout], [], [], 0.2)[0]:
+                        line = proc.stdout.readline()
+                assert "BlockRemoved medium=CPU" in line
+                time.sleep(1.5 if replay else 0.1)  # into an idle catch-up
+                proc.send_signal(signal.SIGINT)
+                start = time.monotonic()
+                proc.wait(10)
+                seconds = time.monotonic() - start
+                _, err = proc.communicate(timeout=10)
+            finally:
+                proc.kill()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     assert proc.returncode == 130
     assert "batches=" in err and "decoded=" in err and "lost=" in err
+    assert seconds < 2.0, seconds

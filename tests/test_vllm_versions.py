@@ -5,7 +5,8 @@ vLLM's CPU build stops at 0.32 (its engine runs end to end in the other tests); 
 environment's torch and dependencies) under ``.venv/vllm-releases/<version>``, and each
 case of ``tests/vllm_version_driver.py`` runs in a process of its own with that release
 first on the path, plus the installed 0.32: a round trip with the reloaded bytes checked
-after the device KV is zeroed, preemption and resume, a failed load under ``recompute``,
+after the device KV is zeroed (a load a step ahead, and one within the step:
+``sync_load_budget_bytes``), preemption and resume, a failed load under ``recompute``,
 the in-flight load cap where the release has one, and events in the release's own types.
 """
 
@@ -23,7 +24,7 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES = ROOT / ".venv" / "vllm-releases"
 DRIVER = Path(__file__).resolve().parent / "vllm_version_driver.py"
-CASES = ("round_trip", "preempt", "failed_load", "inflight_cap", "events")
+CASES = ("round_trip", "sync_load", "preempt", "failed_load", "inflight_cap", "events")
 REQUIRED = ("0.33.0", "0.34.0")  # installed by `make test` (Makefile: vllm-releases)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -158,8 +158,9 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 500 + 3 for i in range(n)]
 
 
-def case_round_trip(model: str) -> str:
-    h = Harness(model, 64)
+def round_trip(h: Harness) -> tuple[str, set[str]]:
+    """Store a prompt, zero the device KV, serve the prompt again from the CPU tier: the
+    reloaded pages checked; with the statuses the second request went through."""
     assert getattr(h.scheduler, "requires_kv_delivery", False) is False  # a best-effort cache
     tokens = prompt(1, 100)
     h.add("a", tokens)
@@ -169,11 +170,13 @@ def case_round_trip(model: str) -> str:
     assert h.scheduler.reset_prefix_cache()
     h.add("b", tokens)
     seen: dict[str, list[int]] = {}
+    statuses: set[str] = set()
     stats = h.scheduler.connector.offload_stats()
 
     def done() -> bool:
         if "b" in h.scheduler.requests:
             seen["ids"] = h.block_ids("b")  # its device blocks, the loaded ones first
+            statuses.add(h.scheduler.requests["b"].status.name)
         return "b" in h.finished
 
     h.run(done)
@@ -183,7 +186,21 @@ def case_round_trip(model: str) -> str:
     for j in range(96 // BLOCK):
         want = expected_page(tokens[j * BLOCK : (j + 1) * BLOCK], j)
         assert bool((h.pages[:, ids[j]] == want).all()), f"block {j} was not reloaded"
-    return f"tokens_loaded={loaded} blocks_checked={96 // BLOCK}"
+    return f"tokens_loaded={loaded} blocks_checked={96 // BLOCK}", statuses
+
+
+def case_round_trip(model: str) -> str:
+    result, statuses = round_trip(Harness(model, 64, {"sync_load_budget_bytes": 0}))  # asynchronous
+    assert "WAITING_FOR_REMOTE_KVS" in statuses, statuses
+    return result
+
+
+def case_sync_load(model: str) -> str:
+    """The default budget holds the 6-block hit: loaded within the step that schedules it,
+    so the request never waits for its KV."""
+    result, statuses = round_trip(Harness(model, 64))
+    assert "WAITING_FOR_REMOTE_KVS" not in statuses, statuses
+    return result
 
 
 def case_preempt(model: str) -> str:
@@ -229,7 +246,8 @@ def case_inflight_cap(model: str) -> str:
     config_fields = SchedulerConfig.__dataclass_fields__
     if "max_num_inflight_kv_loads" not in config_fields:
         return "skipped: this release has no max_num_inflight_kv_loads"
-    h = Harness(model, 128, max_num_inflight_kv_loads=1)
+    # asynchronous loads (the cap is theirs: a load within the step has no request waiting)
+    h = Harness(model, 128, {"sync_load_budget_bytes": 0}, max_num_inflight_kv_loads=1)
     prompts = [prompt(10 + i, 100) for i in range(3)]
     for i, tokens in enumerate(prompts):
         h.add(f"w{i}", tokens)
@@ -276,7 +294,7 @@ def case_events(model: str) -> str:
     return f"events={len(events)} {type(events[0]).__name__}"
 
 
-CASES = ("round_trip", "preempt", "failed_load", "inflight_cap", "events")
+CASES = ("round_trip", "sync_load", "preempt", "failed_load", "inflight_cap", "events")
 
 if __name__ == "__main__":
     model, cases = sys.argv[1], sys.argv[2:] or CASES

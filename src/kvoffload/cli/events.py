@@ -7,13 +7,16 @@ subscriber's counters, then the same counters as ``kvoffload.metrics`` exposes t
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 
 from kvoffload import metrics
 from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSubscriber, KVEvent
 
 IDLE_CATCH_UP_S = 1.0
+REPLAY_TIMEOUT_S = 1.0  # a tail waits this long for a replay answer (and, at worst, to exit)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -82,6 +85,7 @@ def run_tail(args: argparse.Namespace) -> int:
             args.topic,
             start_seq=0 if args.from_start else None,
             data_parallel_rank=args.data_parallel_rank,
+            replay_timeout=REPLAY_TIMEOUT_S,
         )
     except ValueError as exc:
         raise SystemExit(f"kvoffload events tail: {exc}") from None
@@ -96,11 +100,14 @@ def run_tail(args: argparse.Namespace) -> int:
             raise SystemExit(f"kvoffload events tail: --metrics-port {args.metrics_port}: {exc}") from None
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     batches = 0
-    interrupted = False
+    # Ctrl-C (SIGINT) ends the loop at its next turn (a receive waits at most 0.2 s, a
+    # catch-up at most REPLAY_TIMEOUT_S) instead of raising wherever the main thread is.
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
     # A dropped *last* batch leaves no gap to notice, so an idle stream is checked by replay.
     next_catch_up = time.monotonic() if args.from_start else time.monotonic() + IDLE_CATCH_UP_S
     try:
-        while args.max_batches is None or batches < args.max_batches:
+        while not interrupted.is_set() and (args.max_batches is None or batches < args.max_batches):
             if args.replay and time.monotonic() >= next_catch_up:
                 subscriber.catch_up()
                 next_catch_up = time.monotonic() + IDLE_CATCH_UP_S
@@ -116,9 +123,8 @@ def run_tail(args: argparse.Namespace) -> int:
             batches += 1
             for event in batch.events:
                 print(format_event(seq, batch.ts, batch.data_parallel_rank, event), flush=True)
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
+        signal.signal(signal.SIGINT, previous)
         counters = " ".join(f"{k}={v}" for k, v in subscriber.stats().as_dict().items())
         print(f"batches={batches} {counters}", file=sys.stderr, flush=True)
         for line in metrics.exposition_lines([source]):
@@ -127,4 +133,4 @@ def run_tail(args: argparse.Namespace) -> int:
             server.shutdown()
             metrics.unregister(source)
         subscriber.close()
-    return 130 if interrupted else 0
+    return 130 if interrupted.is_set() else 0
