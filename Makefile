@@ -18,7 +18,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(wildcard src/kvoffload/*/_*.c src/kvoffload/*/*/_*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,plot,vllm]"
+	$(PY) -m pip install -q -e ".[test,plot,vllm,redis,index]"
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 

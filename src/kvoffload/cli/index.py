@@ -12,6 +12,7 @@ import json
 import signal
 import threading
 
+from kvoffload.extras import require
 from kvoffload.keys import DEFAULT_HASH_SEED
 
 DEFAULT_PORT = 8090
@@ -47,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    require("aiohttp", "index", "kvoffload index serve")
     from kvoffload.index import BlockIndex, IndexServer, IndexService, Registration, TierWeights
 
     if not 0 <= args.port <= 65535:

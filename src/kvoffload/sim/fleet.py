@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.extras import require
 from kvoffload.index.tiers import TierWeights
 from kvoffload.keys import OffloadKey
 from kvoffload.sim.planning import BELADY, CostModel, parse_capacity, validate_policies
@@ -335,8 +336,7 @@ def write_fleet_plot(rows: Sequence[FleetRow], path, title: str = "") -> list[st
     """Two panels against the host capacity per replica, one curve per routing (and
     eviction policy, when there are several): the hit ratio (device + host) and the mean
     load imbalance (max/mean). Returns the x tick labels drawn (capacities as typed)."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plot", "drawing the simulator's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullLocator

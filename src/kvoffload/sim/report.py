@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvoffload.extras import require
 from kvoffload.sim.disk_plan import DiskPlanRow
 from kvoffload.sim.planning import BELADY, PlanRow
 
@@ -114,8 +115,7 @@ def _staggered(positions: Sequence[float], names: Sequence[str], log: bool) -> l
 def _draw(path, title, xlabel, ylabel, ticks, curves) -> list[str]:
     """Draw ``curves`` ([(label, xs, ys, dashed)]) with ``ticks`` as the x tick labels; the
     tick labels drawn are returned."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plot", "drawing the simulator's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullLocator

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.cpu import CPUOffloadingManager
+from kvoffload.extras import require
 from kvoffload.manager import OffloadingManager
 from kvoffload.policies import resolve_policy
 from kvoffload.tiers.secondary import SecondaryTierType, TierContext
@@ -102,6 +103,7 @@ def build_worker(
 ) -> OffloadingWorker:
     """Worker ``rank``'s side of the configured tiers, over the device KV described by
     ``layout``."""
+    require("torch", "torch", "the worker side of the tiers (kvoffload.transfer)")
     from kvoffload.transfer.engine import TransferEngine
     from kvoffload.transfer.host_pool import HostBlockPool
 

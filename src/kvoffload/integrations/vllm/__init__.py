@@ -9,6 +9,9 @@ connector's name with its own (``OffloadingConnector``) and keeps the module pat
 that name here raises a ``ValueError`` that says so, instead of vLLM's "class not found"."""
 
 from kvoffload._lazy import lazy_exports
+from kvoffload.extras import require
+
+require("vllm", "vllm", "kvoffload's vLLM connector")
 
 _EXPORTS = {
     "KVOffloadConnector": "kvoffload.integrations.vllm.connector",

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kvoffload.extras import require
+
 SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -102,7 +104,7 @@ class ServerSettings:
 
 def connect(settings: ServerSettings):
     """A client for ``settings`` (no network traffic until its first call)."""
-    import redis
+    redis = require("redis", "redis", "the Redis tier")
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
