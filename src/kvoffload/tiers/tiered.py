@@ -26,14 +26,18 @@ scheduler hands to the worker:
   computes the rest) instead of waiting for room that may never come, and a later
   promotion cannot evict the blocks just promoted for it.
 
-Lookups where every secondary keeps its index in memory (the disk tier's ``probe``): a
-key that no tier holds is a ``MISS`` at once, whatever was asked for it before (a
-promotion would find nothing), and a miss of every tier is counted in every tier.
-``lookup`` is then one C call over the primary's block table and the disk index
-(``kvoffload.tiers.fs._slotfind.TieredLookup``; a closure without the extension): the
-scheduler looks up every key of every request, and a miss of every tier costs no more than
-a CPU-only miss (bench/bench_scheduler.py). It counts its answers itself and hands the
-counts to the tiers once per step (``take_transfers``) and in ``stats``/``tier_stats``.
+Lookups where every secondary keeps its index in memory: a key that no tier holds is a
+``MISS`` at once, whatever was asked for it before (a promotion would find nothing), and a
+miss of every tier is counted in every tier. A secondary offers this by having
+``probe(key)`` (its slot, or -1, counting nothing) and ``count_lookups(hits, misses)``; and
+where its probe is a C object, ``finder`` (that object) and ``tiered_lookup`` (a C factory
+``(block_table, finders, slow_lookup, HIT, MISS, PENDING)`` answering for the CPU tier over
+finders of its kind; the disk tier's is ``_slotfind.TieredLookup``). ``lookup`` is then
+one C call over the primary's block table and the secondaries' indexes (a closure where a
+secondary has no C finder): the scheduler looks up every key of every request, and a miss
+of every tier costs no more than a CPU-only miss (bench/bench_scheduler.py). It counts its
+answers itself and hands the counts to the tiers once per step (``take_transfers``) and in
+``stats``/``tier_stats``.
 
 Everything here is bookkeeping on the scheduler thread: no I/O, no waiting. Events of
 every tier are passed on with their own medium. ``reset`` drops every tier.
@@ -161,18 +165,17 @@ class TieredOffloadingManager(OffloadingManager):
         """``lookup`` answering a key the primary holds, and a key no tier holds, from the
         primary's ``block_table`` and the secondaries' probes; everything else (a key some
         secondary holds) goes to the general path. One C call where every secondary has a
-        C probe (``finder``; ``kvoffload.tiers.fs._slotfind.TieredLookup``), else a
-        closure. ``None`` where the secondaries cannot all tell at once."""
+        C probe (``finder``) and they share one ``tiered_lookup``, else a closure. ``None``
+        where the secondaries cannot all tell at once."""
         primary, probes = self.primary, self._probes
         if type(primary).lookup is not CPUOffloadingManager.lookup or probes is None:
             return None  # (a subclass answering lookups its own way keeps its answers)
         table = primary.block_table
         slow = self.lookup  # the bound method: the general path
         finders = tuple(getattr(tier, "finder", None) for tier in self.secondaries)
-        if None not in finders and isinstance(table, dict):
-            from kvoffload.tiers.fs.index import _slotfind  # built, or there is no finder
-
-            native = _slotfind.TieredLookup(table, finders, slow, _HIT, _MISS, _PENDING)
+        factories = {getattr(tier, "tiered_lookup", None) for tier in self.secondaries}
+        if None not in finders and None not in factories and len(factories) == 1 and isinstance(table, dict):
+            native = factories.pop()(table, finders, slow, _HIT, _MISS, _PENDING)
             self._take_counts = native.take_counts
             return native.lookup
         status_of = table.get

@@ -56,7 +56,7 @@ from kvoffload.policies import CachePolicy, resolve_policy
 from kvoffload.private import open_private
 from kvoffload.specs import MEDIUM_DISK, DiskLoadStoreSpec
 from kvoffload.tiers.fs.format import INFO_FILE, MAX_KEY_BYTES, Geometry
-from kvoffload.tiers.fs.index import SlotIndex
+from kvoffload.tiers.fs.index import SlotIndex, _slotfind
 from kvoffload.tiers.fs.namespace import (
     check_namespace,
     lock_namespace_dir,
@@ -135,6 +135,9 @@ class FSOffloadingManager(OffloadingManager):
         # probe object itself (None without it), which the tiered manager's C lookup reads.
         self.probe = self._find
         self.finder = self._index.finder
+        # and the C lookup that answers for a CPU tier over probes of this kind (the
+        # tiered manager's fast path): a tier with an in-memory index offers both
+        self.tiered_lookup = _slotfind.TieredLookup if self.finder is not None else None
         self._state_array = np.full(n, _FREE, dtype=np.int32)
         self._state = memoryview(self._state_array)
         self.order = make_order(policy_cls, n, self._index, self._state)
