@@ -4,7 +4,6 @@ steps holding the GIL); in a step with one, it never waits; stores are never wai
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from kvoffload.integrations.vllm.config import DEFAULT_IDLE_WAIT_S, parse_extra_
 from kvoffload.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvoffload.scheduler import StepPlan, TransferJob  # noqa: E402
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec  # noqa: E402
-from kvoffload.worker import JobBook, TransferResult  # noqa: E402
+from late_worker import LateWorker  # noqa: E402
 
 
 def config(**extra):
@@ -32,29 +31,6 @@ def test_values_and_default():
 def test_bad_values_are_named(bad):
     with pytest.raises(ValueError, match=r"\['idle_wait_s'\] must be seconds in \[0, 0.1\], got"):
         config(idle_wait_s=bad)
-
-
-class LateWorker:
-    """Every job finishes ``delay`` seconds after it is submitted, on a timer thread."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay, self.book = delay, JobBook()
-
-    def submit(self, job_id, src_spec, dst_spec) -> bool:
-        self.book.begin(job_id)
-
-        def done() -> None:
-            with self.book.lock:
-                self.book.finish(TransferResult(job_id, True, 1, self.delay, "x"))
-
-        threading.Timer(self.delay, done).start()
-        return True
-
-    def wait(self, job_ids, timeout=None) -> None:
-        self.book.wait(job_ids, timeout)
-
-    def poll(self):
-        return self.book.poll()
 
 
 def load(job_id: int, req: str) -> TransferJob:

@@ -8,7 +8,6 @@ a failed one recomputed."""
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -20,7 +19,7 @@ from kvoffload.integrations.vllm.config import DEFAULT_SYNC_LOAD_BUDGET_BYTES, p
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from kvoffload.scheduler import StepPlan, TransferJob  # noqa: E402
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec  # noqa: E402
-from kvoffload.worker import JobBook, TransferResult  # noqa: E402
+from late_worker import LateWorker  # noqa: E402
 
 
 def config(**extra):
@@ -55,30 +54,6 @@ def test_the_step_budget_is_shared_by_its_hits_and_renewed_each_step():
     assert not reserve(side, "a", 200)  # asked again (not allocated): too big now
     assert side._sync_requests == {"c"}
     assert not reserve(budget_side(0), "a", 1)  # 0 turns it off
-
-
-class LateWorker:
-    """Every job finishes ``delay`` seconds after it is submitted (``fail``: those ids fail)."""
-
-    def __init__(self, delay: float, fail=()) -> None:
-        self.delay, self.fail, self.book = delay, set(fail), JobBook()
-
-    def submit(self, job_id, src_spec, dst_spec) -> bool:
-        self.book.begin(job_id)
-
-        def done() -> None:
-            with self.book.lock:
-                ok = job_id not in self.fail
-                self.book.finish(TransferResult(job_id, ok, 1, self.delay, "x", None if ok else "injected"))
-
-        threading.Timer(self.delay, done).start()
-        return True
-
-    def wait(self, job_ids, timeout=None) -> None:
-        self.book.wait(job_ids, timeout)
-
-    def poll(self):
-        return self.book.poll()
 
 
 def load(job_id: int, req: str, device: int) -> TransferJob:
