@@ -163,7 +163,8 @@ def redis_benchmark(port: int, size: int, depth: int, clients: int, requests: in
 
 @contextlib.contextmanager
 def batches_in(variant: str):
-    """While open, each job's batch runs in C (``_pipelines``, ``"c"``) or in Python."""
+    """While open, each job's batch runs in C (``_pipelines``, ``"c"``) or in Python (the
+    fallback without the C module: each value read into a buffer, checked, copied)."""
     native = pipelines._pipelines
     if variant == "c" and native is None:
         raise SystemExit("--batches c: kvoffload.tiers.redis._pipelines was not built")

@@ -1,6 +1,7 @@
 """``RespStream`` and the worker's pipelines against a scripted peer on a socket pair:
-replies of every kind split at every byte, values checked and copied only when whole and
-right, partial sends of many buffers, a peer that closes mid-reply, malformed replies."""
+replies of every kind split at every byte, values checked (by the C batch, and by the
+Python fallback, which copies them only when whole and right), partial sends of many
+buffers, a peer that closes mid-reply, malformed replies."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 
+from kvoffload.tiers.redis import pipelines
 from kvoffload.tiers.redis.format import CorruptValue, KeyNames, encode
 from kvoffload.tiers.redis.pipelines import get_into, set_nx
 from kvoffload.tiers.redis.resp import ProtocolError, RespStream, ServerError, command
@@ -116,31 +118,38 @@ def test_a_malformed_reply_is_a_protocol_error(peer, bad):
         RespStream(p.ours).reply()
 
 
-def stream_of(p: Peer, scatter: bool) -> RespStream:
-    """A stream on ``p`` that receives values into the rows (``scatter``, as on a plain
-    socket) or into its own buffer first (as on a TLS socket, which cannot scatter)."""
+@pytest.fixture(params=["c", "python"])
+def batches(request, monkeypatch):
+    """``get_into`` by ``_pipelines`` (C: values received into the rows and checked there)
+    or by the Python fallback (each value read into the stream's buffer, checked there,
+    copied into the rows only if it passed), as without the C module."""
+    if request.param == "c" and pipelines._pipelines is None:
+        pytest.skip("could not import kvoffload.tiers.redis._pipelines (not built: no C compiler at install)")
+    if request.param == "python":
+        monkeypatch.setattr(pipelines, "_pipelines", None)
+    return request.param
+
+
+def stream_of(p: Peer) -> RespStream:
     stream = RespStream(p.ours)
-    assert stream.scatters  # a socket pair can
-    stream.scatters = scatter
+    assert stream.can_hand_off  # a socket pair can: the C batch may run
     return stream
 
 
-@pytest.mark.parametrize("scatter", [True, False])
-def test_a_peer_closing_mid_value_is_a_connection_error(peer, scatter):
+def test_a_peer_closing_mid_value_is_a_connection_error(peer, batches):
     p = peer()
     key = b"k" * 36
     value = encode(key, [b"\x01" * 5000], NAMES.digest)
     p.reply(bulk(value)[: len(value) // 2], 100, close=True)
     rows = [memoryview(bytearray(5000))]
     with pytest.raises(ConnectionError):
-        get_into(stream_of(p, scatter), [(b"name", key, rows)], NAMES.digest)
-    if not scatter:
+        get_into(stream_of(p), [(b"name", key, rows)], NAMES.digest)
+    if batches == "python":
         assert bytes(rows[0]) == bytes(5000)  # read into the buffer: half a value never reaches the rows
 
 
-@pytest.mark.parametrize("scatter", [True, False])
 @pytest.mark.parametrize("piece", [1, 7, 1500, 1 << 20])
-def test_values_are_checked_whole_and_only_good_ones_reach_the_rows(peer, piece, scatter):
+def test_values_are_checked_whole_and_only_good_ones_reach_the_rows(peer, piece, batches):
     rng = np.random.default_rng(piece)
     widths = (3, 4096, 1000)
     keys = [bytes([i]) * 36 for i in range(7)]
@@ -161,25 +170,26 @@ def test_values_are_checked_whole_and_only_good_ones_reach_the_rows(peer, piece,
     p.reply(b"".join(replies), piece, seed=piece)
     rows = [[memoryview(bytearray(b"\xee" * w)) for w in widths] for _ in keys]
     names = [b"n%d" % i for i in range(7)]
-    got = get_into(stream_of(p, scatter), list(zip(names, keys, rows)), NAMES.digest)
+    got = get_into(stream_of(p), list(zip(names, keys, rows)), NAMES.digest)
     assert got[0] is True and got[6] is True and got[1] is None
     assert isinstance(got[2], ServerError) and "WRONGTYPE" in got[2].message
     assert all(isinstance(g, CorruptValue) for g in got[3:6])
     assert "CRC32C" in str(got[4]) and "another key" in str(got[5])
     for i in (0, 6):
         assert [bytes(r) for r in rows[i]] == [a.tobytes() for a in payloads[i]]
-    if not scatter:  # checked in the stream's buffer: the rows of a bad value are left as they were
+    if batches == "python":  # checked in the stream's buffer: the rows of a bad value are left as they were
         for i in range(1, 6):
             assert all(bytes(r) == b"\xee" * r.nbytes for r in rows[i])
     assert p.all_received() == b"".join(command(b"GET", n) for n in names)
 
 
 @pytest.mark.parametrize("piece", [1, 5, 97, 1500, 1 << 20])
-def test_values_received_into_the_rows_are_checked_there_and_a_surprise_ends_the_plan(peer, piece):
-    """Planned (scattered) replies: the bad values of the expected length come first, so the
-    checks on the rows decide them; then replies that are not as planned (a null, a value of
-    another length) hand the rest back to the reply-by-reply reader, which still gets the good
-    values after them right; bytes the stream held before the batch are placed first."""
+def test_bad_values_of_the_expected_length_then_a_surprise_mid_batch(peer, piece, batches):
+    """The bad values of the expected length come first (in C they are received into the
+    rows, so the checks there decide them); then replies that are not as planned (a null, a
+    value of another length) hand the rest back to the reply-by-reply reader, which still
+    gets the good values after them right; bytes the stream held before the batch come
+    first; the stream is in step for the next batch."""
     rng = np.random.default_rng(piece)
     widths = (3, 4096, 1000)
     keys = [bytes([i]) * 36 for i in range(9)]
@@ -201,7 +211,7 @@ def test_values_received_into_the_rows_are_checked_there_and_a_surprise_ends_the
     ]
     p = peer()
     p.reply(b"+PONG\r\n" + b"".join(replies), piece, seed=piece)
-    stream = stream_of(p, True)
+    stream = stream_of(p)
     assert stream.reply() == b"PONG"  # may have read some of the values into the buffer
     rows = [[memoryview(bytearray(b"\xee" * w)) for w in widths] for _ in keys]
     names = [b"n%d" % i for i in range(9)]
@@ -216,15 +226,14 @@ def test_values_received_into_the_rows_are_checked_there_and_a_surprise_ends_the
     assert [bytes(r) for r in rows[2]] == [a.tobytes() for a in payloads[2]]
 
 
-@pytest.mark.parametrize("scatter", [True, False])
-def test_a_value_not_followed_by_crlf_is_a_protocol_error(peer, scatter):
+def test_a_value_not_followed_by_crlf_is_a_protocol_error(peer, batches):
     key = b"q" * 36
     value = encode(key, [b"\x02" * 100], NAMES.digest)
     p = peer()
     p.reply(b"$%d\r\n%sXY" % (len(value), value) + bulk(value), 1 << 10)
     with pytest.raises(ProtocolError):
         rows = [[memoryview(bytearray(100))] for _ in range(2)]
-        get_into(stream_of(p, scatter), [(b"a", key, rows[0]), (b"b", key, rows[1])], NAMES.digest)
+        get_into(stream_of(p), [(b"a", key, rows[0]), (b"b", key, rows[1])], NAMES.digest)
 
 
 def test_vectored_sends_survive_partial_writes_and_more_buffers_than_one_call_takes(peer):
@@ -243,7 +252,7 @@ def test_vectored_sends_survive_partial_writes_and_more_buffers_than_one_call_ta
     assert p.all_received() == b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
 
 
-def test_set_nx_frames_values_from_their_parts_and_reads_one_reply_each(peer):
+def test_set_nx_frames_values_from_their_parts_and_reads_one_reply_each(peer, batches):
     p = peer(rcvbuf=4096)
     key = b"\x05" * 36
     parts = [np.arange(200000, dtype=np.uint32).view(np.uint8), b"\x00\x01"]

@@ -30,7 +30,8 @@ NAMES = KeyNames("kvoffload", "kvr-streams")
 
 @pytest.fixture(params=["c", "python"])
 def batches(request, monkeypatch):
-    """Batches on a plain socket run by ``_pipelines`` (C, no GIL) or in Python."""
+    """Batches on a plain socket run by ``_pipelines`` (C, no GIL) or by the Python fallback
+    (as without the C module: each value read into the stream's buffer, checked, copied)."""
     from kvoffload.tiers.redis import pipelines
 
     if request.param == "c" and pipelines._pipelines is None:
@@ -144,9 +145,10 @@ def test_out_of_memory_refusals_drop_the_store_and_keep_the_breaker_closed(tmp_p
 
 
 def test_corrupt_values_in_a_batch_are_misses_deleted_and_counted(redis_server, batches):  # noqa: F811
-    """Values of the expected length that fail a check (CRC, another key) are received into
-    the rows and checked there, a value of another length ends the planned read; all fail
-    the load (its rows are unspecified), are deleted and counted; the stream stays usable."""
+    """Values of the expected length that fail a check (CRC, another key; in C received into
+    the rows and checked there) and a value of another length (in C it ends the planned
+    read) all fail the load (its rows are unspecified), are deleted and counted; the stream
+    stays usable."""
     a = Worker(redis_server.url, make_pool((5000, 17)))
     keys = [k(i) for i in range(4)]
     assert a.store(keys, [0, 1, 2, 3]).success

@@ -12,24 +12,27 @@ payload lies (no join) and read with one copy into where it goes.
   now in ``rows``), ``None`` (no such key), a ``CorruptValue`` (a value of another
   length, header, key, namespace or CRC), or a ``ServerError``.
 
-  Where the stream scatters (a plain socket), the replies are planned before they come:
-  each expected as ``$<value length>`` with its header and key in a small scratch buffer
-  and its payload received by the kernel straight into ``rows`` (no copy in Python), then
-  checked there (header, key, namespace digest as soon as they are in; CRC32C once the
-  payload is). The first reply that is not what was planned (a null, an error, a value of
-  another length) ends the plan: the bytes after it are handed back to the stream and the
-  rest of the batch is read as below. A value of the expected length that fails a check
-  has been received into its rows: they hold garbage, the item is not ``True``, and the
-  caller must fail the load (the rows of a failed load are unspecified; nothing makes them
-  loadable). On a TLS socket each value is read into the stream's buffer, checked there and
-  copied into ``rows`` only once it passed.
+Each batch runs one of two ways:
 
-On a plain socket, where ``kvoffload.tiers.redis._pipelines`` was built (C), each batch is
-sent and answered on one release of the GIL: the load's plan and checks as above, the
-stores' CRC32Cs (written into each value's header just before it is sent) and one-line
-replies; a reply they do not expect is left to the stream, read as here.
-Without it, the same runs in Python (``_Planned``), taking the GIL back per socket call,
-which costs up to the switch interval each time while an engine's Python loop is busy.
+* **C** (``kvoffload.tiers.redis._pipelines``, built at install where a compiler is
+  present), on a stream that can hand its socket off (a plain socket, not TLS): the batch
+  is sent and answered on one release of the GIL. A load's replies are planned before they
+  come: each expected as ``$<value length>`` with its header and key in a small scratch
+  buffer and its payload received by the kernel straight into ``rows``, then checked there
+  (header, key, namespace digest with one comparison either side of the CRC field; CRC32C
+  as the bytes arrive). The first reply that is not what was planned (a null, an error, a
+  value of another length) ends the plan: the bytes from it on are handed back to the
+  stream and the rest of the batch is read as below. A value of the expected length that
+  fails a check has been received into its rows: they hold garbage, the item is not
+  ``True``, and the caller must fail the load (the rows of a failed load are unspecified;
+  nothing makes them loadable). A store's CRC32Cs are written into each value's header
+  just before it is sent, and its one-line replies read there too; a reply it does not
+  expect is left to the stream.
+* **Python** (TLS, or the C module not built): the stores' values go out with
+  ``RespStream.send``; each ``GET`` reply is read into the stream's buffer, checked there
+  and copied into ``rows`` only once it passed (the rows of a bad value are left as they
+  were). It takes the GIL back per socket call, which costs up to the switch interval each
+  time while an engine's Python loop is busy.
 
 Socket errors, timeouts and protocol errors raise (the caller drops the connection); the
 rows of items not answered ``True`` hold unspecified bytes.
@@ -68,7 +71,7 @@ def set_nx(
 ) -> list[Any]:
     first = b"*4\r\n" if ttl is None else b"*6\r\n"
     tail = _NX if ttl is None else _NX + command(b"EX", ttl)[4:]  # the arguments without "*2"
-    native = stream.scatters and _pipelines is not None
+    native = stream.can_hand_off and _pipelines is not None
     buffers: list[Any] = []
     checksums: list[tuple[int, int, int, int]] = []  # C fills in each header's CRC32C
     carry = b""  # the end of the previous command goes out with the start of the next
@@ -111,13 +114,10 @@ def get_into(
     stream: RespStream, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
 ) -> list[Any]:
     request = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name, _, _ in items)
-    if stream.scatters and items and _pipelines is not None:
-        results = _received(stream, items, digest, request)  # sends the request too
-    else:
+    if not (stream.can_hand_off and items and _pipelines is not None):
         stream.send([request])
-        if not stream.scatters or not items:
-            return [_one(stream, key, rows, digest) for _, key, rows in items]
-        results = _Planned(items, digest).receive(stream)
+        return [_one(stream, key, rows, digest) for _, key, rows in items]
+    results = _received(stream, items, digest, request)  # sends the request too
     return results + [_one(stream, key, rows, digest) for _, key, rows in items[len(results) :]]
 
 
@@ -127,8 +127,10 @@ def _received(
     digest: bytes,
     request: bytes,
 ) -> list[Any]:
-    """``_Planned``'s plan, received and checked by ``_pipelines.get_into``, which sends
-    ``request`` first: the whole batch on one release of the GIL."""
+    """The replies to ``request`` (which it sends first), planned (``_planned_heads``),
+    received into the rows and checked by ``_pipelines.get_into``: the whole batch on one
+    release of the GIL. The results of the items before the first reply that was not as
+    planned (all of them if none); the stream is left at that reply."""
     plan, total = [], 2
     for (_, key, rows), (expected, lead, payload) in zip(items, _planned_heads(items, digest)):
         plan.append((expected, lead, key, rows if isinstance(rows, list) else list(rows)))
@@ -174,95 +176,9 @@ def _why_bad(head: Any, key: bytes, digest: bytes, payload: int) -> CorruptValue
     return CorruptValue("bad header")  # not reached: check_head checks every field but the CRC
 
 
-class _Planned:
-    """A batch of ``GET`` replies received where they go: per item a scratch region for
-    what precedes the payload (the previous reply's CRLF, ``$<length>\\r\\n``, header and
-    key), then its rows; a last region for the final CRLF. A region's expected bytes are
-    known but for the header's CRC field, so one comparison each side of it checks the
-    framing, header, key and namespace digest of a good value at once."""
-
-    def __init__(self, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes) -> None:
-        self.items, self.digest = items, digest
-        pieces: list[memoryview] = []
-        marks: list[
-            tuple[int, memoryview, bytes, int, int, int]
-        ] = []  # start, region, expected, lead, head end, end
-        at = 0
-        for (_, _, rows), (expected, lead, payload) in zip(items, _planned_heads(items, digest)):
-            region = memoryview(bytearray(len(expected)))
-            pieces.append(region)
-            pieces += [
-                row if row.format == "B" and row.ndim == 1 else row.cast("B") for row in rows if row.nbytes
-            ]
-            head_end = at + len(expected)
-            marks.append((at, region, expected, lead, head_end, head_end + payload))
-            at = head_end + payload
-        self.tail = memoryview(bytearray(2))
-        pieces.append(self.tail)
-        self.pieces, self.marks, self.total = pieces, marks, at + 2
-        self.results: list[Any] = []
-        self.recorded: int | CorruptValue | None = (
-            None  # the current item's header: its CRC, or why it is bad
-        )
-
-    def receive(self, stream: RespStream) -> list[Any]:
-        """The results of the items before the first reply that was not as planned (all of
-        them if none); the stream is left at that reply."""
-        stream.scatter(self.pieces, self.watch)
-        return self.results
-
-    def watch(self, n: int) -> int | None:
-        results, marks = self.results, self.marks
-        i = len(results)
-        while i < len(marks):
-            start, region, expected, lead, head_end, end = marks[i]
-            recorded = self.recorded
-            if recorded is None:
-                if n < head_end:  # the lead so far must be as planned, or the plan ends
-                    return self._surprise(i, min(n - start, lead))
-                crc_at = lead + CRC_AT
-                if region[:crc_at] == expected[:crc_at] and region[crc_at + 4 :] == expected[crc_at + 4 :]:
-                    recorded = int.from_bytes(region[crc_at : crc_at + 4], "big")
-                else:
-                    stop = self._surprise(i, lead)
-                    if stop is not None:
-                        return stop
-                    recorded = self._bad_head(i)
-                self.recorded = recorded
-            if n < end:
-                return None
-            self.recorded = None
-            if isinstance(recorded, int):
-                _, key, rows = self.items[i]
-                crc = crc32c(key)
-                for row in rows:
-                    crc = crc32c(row, crc)
-                results.append(True if crc == recorded else CorruptValue("CRC32C mismatch"))
-            else:
-                results.append(recorded)
-            i += 1
-        if n == self.total and self.tail != b"\r\n":
-            raise ProtocolError("a bulk string not followed by CRLF")
-        return None
-
-    def _surprise(self, i: int, got: int) -> int | None:
-        """Where the plan ends if the first ``got`` bytes of item ``i``'s lead are not the
-        ones planned (a ``ProtocolError`` if the previous value's CRLF is not); else ``None``."""
-        start, region, expected = self.marks[i][:3]
-        crlf = min(got, 2 if i else 0)  # the previous value's end
-        if region[:crlf] != expected[:crlf]:
-            raise ProtocolError("a bulk string not followed by CRLF")
-        if region[crlf:got] != expected[crlf:got]:
-            return start + crlf  # another reply: the rest is read reply by reply
-        return None
-
-    def _bad_head(self, i: int) -> CorruptValue:
-        """Why item ``i``'s head (a value of the expected length) differs from the plan."""
-        _, region, _, lead, head_end, end = self.marks[i]
-        return _why_bad(region[lead:], self.items[i][1], self.digest, end - head_end)
-
-
 def _one(stream: RespStream, key: bytes, rows: Sequence[memoryview], digest: bytes) -> Any:
+    """The next ``GET`` reply, read into the stream's buffer, checked there and copied into
+    ``rows`` only once it passed."""
     payload = sum(row.nbytes for row in rows)
     expected = HEADER_BYTES + len(key) + payload
     value = stream.bulk(expected)  # a view valid until the next call on the stream

@@ -1,5 +1,7 @@
 """``RespStream``: RESP2 on a connected socket, with vectored sends from the caller's
-buffers and bulk replies read straight into the caller's buffers.
+buffers, replies read into a buffer of its own, and the socket handed off to a receiver
+that reads it itself (``kvoffload.tiers.redis._pipelines``, which receives bulk replies
+straight into the caller's buffers).
 
 The stream borrows a socket that is connected and ready for commands (authenticated, its
 database selected, TLS negotiated: redis-py does that); it never connects, closes or
@@ -15,15 +17,11 @@ retries. Every socket call is bounded by the socket's own timeout.
   its bytes in the receive buffer, valid until the next call; otherwise its length (``-1``
   for a null; a bulk string of another length is skipped, never held whole) or its
   ``ServerError``. ``bulk_length()``, ``take(n)`` and ``skip(n)`` are its pieces.
-* ``scatter(pieces, watch)``: the next bytes of the stream received straight into the
-  caller's buffers, in order (``recvmsg_into``: the kernel writes them there, no copy in
-  Python), with ``watch`` told how far they got after each arrival; ``watch`` stops it
-  where the bytes stop being what the caller planned for, and the bytes from there on are
-  handed back to the stream as unread (see the method). ``scatters`` says whether the
-  socket can (a TLS socket cannot: the caller reads replies as above).
 * ``hand_off(limit)`` and ``unread(data)``: for a receiver that reads the socket itself
   (``kvoffload.tiers.redis._pipelines``): its descriptor, its timeout and the buffered
   bytes (taken), then the bytes it read past what it wanted, given back to read first.
+  ``can_hand_off`` says whether the socket allows it: a plain one does; a TLS one, whose
+  descriptor carries encrypted bytes, does not (the caller reads replies as above).
 
 Replies are read into a receive buffer of the calling thread (reused from batch to batch,
 grown to four times the largest value taken), as many bytes per call as have arrived: a
@@ -40,7 +38,7 @@ from __future__ import annotations
 import os
 import ssl
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 _CRLF = b"\r\n"
@@ -85,7 +83,7 @@ class RespStream:
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._vectored = not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg")
-        self.scatters = self._vectored and hasattr(sock, "recvmsg_into")
+        self.can_hand_off = self._vectored  # a plain socket, not TLS: see hand_off
         buffer = getattr(_local, "buffer", None)  # one per thread, reused: no allocation per batch
         if buffer is None:
             buffer = _local.buffer = bytearray(_BUFFER)
@@ -259,66 +257,6 @@ class RespStream:
             self._start += n
             nbytes -= n
 
-    # -- receiving into the caller's buffers ------------------------------------------------
-
-    def scatter(self, pieces: Sequence[memoryview], watch: Callable[[int], int | None]) -> int | None:
-        """Fill ``pieces`` (writable byte views, in order) with the stream's next bytes.
-
-        After each arrival ``watch(n)`` is called with ``n``, the bytes placed so far; it
-        returns ``None`` to go on, or an offset ``d <= n`` where the bytes stopped being
-        what the caller planned (a reply of another kind or length): then nothing more is
-        received, the bytes from ``d`` to ``n`` are handed back to the stream as unread
-        (the next ``reply``/``bulk`` reads them first) and ``d`` is returned. The pieces
-        that held them keep a copy: the caller treats their content as unspecified.
-        Returns ``None`` once every piece is full (and ``watch`` saw it). Bytes the
-        stream had already buffered are placed first."""
-        total = sum([piece.nbytes for piece in pieces])
-        n = self._place(pieces, total)
-        k, offset = _locate(pieces, n)
-        recvmsg_into = self._sock.recvmsg_into
-        while True:
-            if n:
-                stop = watch(n)
-                if stop is not None:
-                    self._give_back(pieces, stop, n)
-                    return stop
-            if n == total:
-                return None
-            iov = [pieces[k][offset:], *pieces[k + 1 : k + _IOV]]
-            got = recvmsg_into(iov)[0]
-            if got == 0:
-                raise ConnectionError("the server closed the connection")
-            n += got
-            got += offset
-            while k < len(pieces) and got >= pieces[k].nbytes:
-                got -= pieces[k].nbytes
-                k += 1
-            offset = got
-
-    def _place(self, pieces: Sequence[memoryview], total: int) -> int:
-        """Copy the buffered unread bytes (at most ``total``) into ``pieces``; how many."""
-        n = min(total, self._end - self._start)
-        at = 0
-        for piece in pieces:
-            if at >= n:
-                break
-            m = min(piece.nbytes, n - at)
-            piece[:m] = self._view[self._start + at : self._start + at + m]
-            at += m
-        self._start += n
-        return n
-
-    def _give_back(self, pieces: Sequence[memoryview], start: int, end: int) -> None:
-        """Make bytes ``start:end`` of ``pieces`` the stream's next unread bytes (before any
-        it still buffers)."""
-        parts, at = [], 0
-        for piece in pieces:
-            lo, hi = max(start, at), min(end, at + piece.nbytes)
-            if lo < hi:
-                parts.append(piece[lo - at : hi - at])
-            at += piece.nbytes
-        self.unread(b"".join(parts))
-
     # -- a receiver that reads the socket itself ------------------------------------------
 
     def hand_off(self, limit: int) -> tuple[int, float, bytes]:
@@ -341,12 +279,3 @@ class RespStream:
             self._view = memoryview(self._buf)
         self._view[: len(data)] = data
         self._start, self._end = 0, len(data)
-
-
-def _locate(pieces: Sequence[memoryview], n: int) -> tuple[int, int]:
-    """The piece that byte ``n`` falls in, and its offset there."""
-    k = 0
-    while k < len(pieces) and n >= pieces[k].nbytes:
-        n -= pieces[k].nbytes
-        k += 1
-    return k, n

@@ -10,11 +10,12 @@ It is the ``kvoffload.worker.OffloadingWorker`` of routes ``CPU -> REMOTE`` (a s
   it is (counted in ``already_present``). The payload is sent from the host rows
   themselves (``pipelines.set_nx``), not joined into a value first.
 * load: ``submit(job_id, RemoteLoadStoreSpec(keys), CPULoadStoreSpec(host_ids))`` reads
-  the values in one pipeline of ``GET`` (``pipelines.get_into``): on a plain socket each
-  payload is received straight into its host block's rows and checked there (header, key
-  and namespace digest first, CRC32C once it is in); on TLS each value is checked in a
-  receive buffer and copied into the rows once it passed. Where redis-py's connection
-  offers no socket, both go through redis-py's commands (copies more each).
+  the values in one pipeline of ``GET`` (``pipelines.get_into``): on a plain socket, where
+  the C module ``_pipelines`` was built, each payload is received straight into its host
+  block's rows and checked there (header, key and namespace digest first, CRC32C as it
+  comes in); otherwise (TLS, or no C module) each value is checked in a receive buffer
+  and copied into the rows once it passed. Where redis-py's connection offers no socket,
+  both go through redis-py's commands (copies more each).
 
 Contract, beyond ``kvoffload.worker``:
 
