@@ -18,7 +18,7 @@ row arrays, so a per-layer layout plans once per group, not once per layer. Two 
   loads write the engine's KV with plain ones (it is read next). Few, large tasks: each
   task costs its thread a wait for the GIL, and in an engine whose thread runs Python
   between steps that wait is what a job lasts (vLLM CPU build, a 15.5 MB load: 3.3-8.3 ms
-  as 16 tasks, one per MiB of each tensor, against 1.6-3.8 ms as 4; BENCHMARKS.md, "The
+  as 16 tasks, one per MiB of each tensor, against 1.6-3.8 ms as 4; notes/benchmarks-history.md, "The
   CPU tier's load inside the engine").
 * numpy (without a C compiler at install): tasks of about ``chunk_bytes``, each one
   gather, scatter or slice copy per run of consecutive rows (``row_plan.plan_copies``),

@@ -19,7 +19,7 @@ where the two views above cannot both exist over an interleaved region. Why inte
 on the CPU build too: the CPU executor copies pages either way at the same speed
 (``bench/bench_transfer.py``, interleaved column), while a disk tier writing a block of
 32 scattered pages stores at 0.36-0.55 of a sequential write and one buffer per block at
-0.9-1.0 (``bench/bench_disk.py --pool``; BENCHMARKS.md, disk tier run 6).
+0.9-1.0 (``bench/bench_disk.py --pool``; notes/benchmarks-history.md, disk tier run 6).
 
 Pinning. One region of exactly the pool's size, mapped anonymously (page-aligned, pages
 zero-filled on first touch), then, chunk by chunk on several threads, faulted in
