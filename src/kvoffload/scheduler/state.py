@@ -1,6 +1,7 @@
 """The scheduler's records: its counters, and what it keeps per job and per request.
 
-Plain data, written and read by ``kvoffload.scheduler.core.OffloadingScheduler`` alone.
+Plain data, written and read by the ``OffloadingScheduler`` alone (``kvoffload.scheduler.core``
+and the parts it joins).
 """
 
 from __future__ import annotations

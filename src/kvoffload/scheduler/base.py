@@ -1,0 +1,110 @@
+"""The state every part of the ``OffloadingScheduler`` shares.
+
+``SchedulerBase`` checks the configuration and holds the tables the parts read and write:
+requests, jobs in flight, what the next plan hands the engine, the reuse filter and the
+counters. The parts (``loads``, ``stores``, ``completion``; ``core`` joins them) subclass
+it and call each other only through it: ``_new_job`` gives out job ids, ``_remember``
+records what a key's ``BlockStored`` will say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload.events.types import KVEvent
+from kvoffload.keys import BlockHasher, OffloadKey
+from kvoffload.manager import OffloadingManager
+from kvoffload.scheduler.blocks import BlockKeys
+from kvoffload.scheduler.events import EventConverter
+from kvoffload.scheduler.reuse import DEFAULT_MEMORY, ReuseFilter
+from kvoffload.scheduler.state import Job, RequestState, SchedulerStats
+from kvoffload.scheduler.types import BlockExtraKeys, KVGroup, TransferJob, view_extra_keys
+from kvoffload.validation import positive_int
+
+
+class SchedulerBase:
+    """Configuration and tables of one ``OffloadingScheduler``."""
+
+    def __init__(
+        self,
+        manager: OffloadingManager,
+        groups: Sequence[KVGroup],
+        hash_block_size: int,
+        blocks_per_offload_block: int = 1,
+        kv_events: str = "self_describing",
+        hasher: BlockHasher | None = None,
+        null_block_id: int | None = None,
+        store_threshold: int = 1,
+        store_threshold_memory: int = DEFAULT_MEMORY,
+        block_extra_keys: BlockExtraKeys | None = None,
+        offload_prompt_only: bool = False,
+    ) -> None:
+        """``store_threshold``: requests that must ask for a block before it is stored
+        (1 = store every block); ``store_threshold_memory``: keys whose count is kept;
+        ``block_extra_keys(request, start, end)``: what besides tokens the engine hashes
+        into the block ``[start, end)`` (salt, adapter, multimodal items, in
+        ``kvoffload.keys`` tagged form); default ``view_extra_keys``;
+        ``offload_prompt_only``: store blocks of prompt tokens only, not those generated."""
+        if not groups:
+            raise ValueError("at least one KV-cache group is needed")
+        positive_int("blocks_per_offload_block", blocks_per_offload_block)
+        positive_int("hash_block_size", hash_block_size)
+        self._offloaded = [g for g, group in enumerate(groups) if group.offloaded]
+        if not self._offloaded:
+            raise ValueError("no KV-cache group is offloaded")
+        self._states = [g for g in self._offloaded if groups[g].is_state]
+        if self._states and blocks_per_offload_block != 1:
+            raise ValueError(
+                f"KV-cache group {self._states[0]} holds recurrent states (one per device block): "
+                f"blocks_per_offload_block must be 1, got {blocks_per_offload_block}"
+            )
+        self._fenced: dict[int, set[int]] = {}  # device block of a state -> store jobs reading it
+        for g, group in enumerate(groups):
+            if group.offloaded and group.block_size * blocks_per_offload_block % hash_block_size:
+                raise ValueError(
+                    f"offloaded block of group {g} ({group.block_size} x {blocks_per_offload_block} tokens) "
+                    f"is not a multiple of the hash block size {hash_block_size}"
+                )
+        self.manager = manager
+        self.null_block_id = null_block_id
+        self.groups = list(groups)
+        self.blocks_per_offload_block = blocks_per_offload_block
+        self.hash_block_size = hash_block_size
+        self._tokens = [group.block_size * blocks_per_offload_block for group in groups]
+        self._extra_keys = block_extra_keys or view_extra_keys
+        self._blocks = BlockKeys(
+            self._tokens, hash_block_size, hasher or BlockHasher(), self._extra_keys, null_block_id
+        )
+        self._events = EventConverter(groups, blocks_per_offload_block, kv_events)
+        self._wire_events: list[KVEvent] = []
+        self._requests: dict[str, RequestState] = {}
+        self._jobs: dict[int, Job] = {}
+        self._stale_jobs: set[int] = set()  # in flight at a reset: outcome not applied
+        self._next_job_id = 0
+        self._pending_loads: list[TransferJob] = []
+        self._hold: dict[str, list[int]] = {}
+        self._flush: dict[str, list[int]] = {}
+        self._freeable: set[str] = set()
+        self._reuse = ReuseFilter(store_threshold, store_threshold_memory)
+        self.offload_prompt_only = offload_prompt_only
+        self.stats = SchedulerStats()
+        self.tokens_by_source: dict[str, int] = {}  # tokens_loaded per source medium (sources.py)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def _new_job(self, req_id: str, is_store: bool, keys: list[OffloadKey], token: int | None = None) -> int:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._jobs[job_id] = Job(req_id, is_store, keys, token)
+        if req_id:
+            self._requests[req_id].jobs.add(job_id)
+        return job_id
+
+    def _remember(self, state: RequestState, hashes, g: int, j: int, key: OffloadKey) -> None:
+        """What offloaded block ``j`` of group ``g`` holds, for its ``BlockStored``."""
+        tokens = self._tokens[g]
+        parent = self._blocks.hash_at(hashes, g, j - 1) if j > 0 else None
+        extra = self._extra_keys(state.request, j * tokens, (j + 1) * tokens)
+        self._events.remember(key, parent, state.request.all_token_ids, j * tokens, (j + 1) * tokens, extra)

@@ -1,0 +1,189 @@
+"""Matching and load planning: which tokens beyond the engine's cache can be loaded.
+
+1. ``match(request, num_computed_tokens, hints)``: how many tokens beyond the engine's own
+   cache can be loaded: leading ``HIT``s of every group, whole offloaded blocks, at most all
+   prompt tokens but one (the engine must compute one to sample). ``None`` while a needed
+   key is ``PENDING`` or ``RETRY`` (ask again next step). The first match announces the
+   request to the manager (``on_new_request`` with a ``RequestContext`` carrying the
+   engine's ``hints``) and touches the request's blocks, once.
+   After a failed load of a request, always 0 for it: the engine recomputes, and a request
+   is never sent round the same failing load twice.
+2. ``on_allocated(req_id, block_ids, num_external_tokens)``: the engine allocated device
+   blocks; a load of the matched blocks is planned (its keys pinned) for the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvoffload.keys import OffloadKey
+from kvoffload.manager import LookupResult, RequestContext
+from kvoffload.scheduler.base import SchedulerBase
+from kvoffload.scheduler.sources import tokens_by_source
+from kvoffload.scheduler.state import RequestState
+from kvoffload.scheduler.types import RequestView, TransferJob
+from kvoffload.specs import DeviceLoadStoreSpec
+
+
+class Loads(SchedulerBase):
+    """``match``, ``on_allocated`` and ``load_sources`` of the ``OffloadingScheduler``."""
+
+    # -- matching ----------------------------------------------------------------------
+
+    def match(
+        self, request: RequestView, num_computed_tokens: int, hints: Mapping[str, Any] | None = None
+    ) -> int | None:
+        """``hints``: what the engine passed with the request for offloading (vLLM's
+        ``kv_transfer_params``); the first match's go into the request's context."""
+        state = self._state(request, hints)
+        state.matched_from = num_computed_tokens
+        if state.load_failed:
+            return 0
+        hashes = self._blocks.hashes(request)
+        if not state.touched:
+            state.touched = True
+            for g in self._offloaded:
+                keys = self._blocks.request_keys(
+                    state.keys[g], hashes, g, 0, self._blocks.num_full(hashes, g)
+                )
+                state.touched_blocks[g] = len(keys)
+                self._reuse.count(keys)
+                self.manager.touch(keys)
+        # The engine must compute at least one prompt token itself.
+        limit = request.num_prompt_tokens - 1
+        hit_tokens = limit
+        for g in self._offloaded:
+            if self.groups[g].is_state:
+                continue
+            tokens = self._tokens[g]
+            start = num_computed_tokens // tokens
+            end = min(self._blocks.num_full(hashes, g), -(-limit // tokens))
+            hits = start
+            waiting = False
+            for j, key in enumerate(self._blocks.request_keys(state.keys[g], hashes, g, start, end), start):
+                result = self.manager.lookup(key)
+                if result is LookupResult.HIT:
+                    if not waiting:
+                        hits += 1
+                    continue
+                if result is LookupResult.MISS:
+                    break
+                # PENDING or RETRY: ask again next step. Looking on lets a tiered manager
+                # promote the rest of the prefix in the same batch. A block being promoted
+                # is announced by the CPU tier when it lands: say what it holds.
+                waiting = True
+                if result is LookupResult.PENDING and not self._events.knows(key):
+                    self._remember(state, hashes, g, j, key)
+            if waiting:
+                return None
+            hit_tokens = min(hit_tokens, hits * tokens)
+        for g in self._states:
+            hit_tokens = self._state_hit(state, hashes, g, num_computed_tokens, hit_tokens)
+            if hit_tokens is None:
+                return None
+        return max(0, hit_tokens - num_computed_tokens)
+
+    def _state_hit(
+        self, state: RequestState, hashes, g: int, num_computed_tokens: int, bound: int
+    ) -> int | None:
+        """The most tokens up to ``bound`` that end on a stored state of group ``g`` (the
+        states before it are not needed), ``num_computed_tokens`` without one; ``None``
+        while a later state is on its way."""
+        tokens = self._tokens[g]
+        start = num_computed_tokens // tokens
+        top = min(self._blocks.num_full(hashes, g), bound // tokens)
+        keys = self._blocks.request_keys(state.keys[g], hashes, g, start, top)
+        for j in range(top - 1, start - 1, -1):
+            result = self.manager.lookup(keys[j - start])
+            if result is LookupResult.HIT:
+                return (j + 1) * tokens
+            if result is not LookupResult.MISS:
+                if result is LookupResult.PENDING and not self._events.knows(keys[j - start]):
+                    self._remember(state, hashes, g, j, keys[j - start])
+                return None
+        return num_computed_tokens
+
+    def _state(self, request: RequestView, hints: Mapping[str, Any] | None) -> RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            n = len(self.groups)
+            context = RequestContext(request.request_id, hints or {}, tuple(self._tokens))
+            state = RequestState(request, context, [[] for _ in range(n)], [0] * n, [0] * n)
+            state.keys, state.loaded_blocks = [[] for _ in range(n)], [0] * n
+            self._requests[request.request_id] = state
+            self.manager.on_new_request(context)
+        return state
+
+    # -- allocation and loads ------------------------------------------------------------
+
+    def on_allocated(self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """Record the request's device blocks (all of them, per group); plan the load of
+        ``num_external_tokens`` matched tokens that follow the engine-cached ones."""
+        state = self._requests.get(req_id)
+        if state is None:
+            raise KeyError(f"unknown request {req_id!r}: call match() first")
+        if len(block_ids) != len(self.groups):
+            raise ValueError(f"expected block ids for {len(self.groups)} groups, got {len(block_ids)}")
+        state.block_ids = [list(ids) for ids in block_ids]
+        num_computed_tokens = state.matched_from
+        end_tokens = num_computed_tokens + max(0, num_external_tokens)
+        state.computed_tokens = max(state.computed_tokens, end_tokens)
+        if num_external_tokens <= 0:
+            return
+        hashes = self._blocks.hashes(state.request)
+        keys: list[OffloadKey] = []
+        device_ids: list[int] = []
+        sizes: list[int] = []
+        indices: list[int] = []
+        ranges: list[tuple[int, int, OffloadKey]] = []
+        f = self.blocks_per_offload_block
+        for g, tokens in enumerate(self._tokens):
+            if not self.groups[g].offloaded or (self.groups[g].is_state and end_tokens % tokens):
+                sizes.append(0)
+                indices.append(0)
+                continue
+            if self.groups[g].is_state:  # the one state at end_tokens
+                j = end_tokens // tokens - 1
+                device = state.block_ids[g][j]
+                if device == self.null_block_id:
+                    raise ValueError(f"request {req_id!r}: group {g} has no device block for its state {j}")
+                keys += self._blocks.request_keys(state.keys[g], hashes, g, j, j + 1)
+                device_ids.append(device)
+                sizes.append(1)
+                indices.append(j)
+                state.loaded_blocks[g] = max(state.loaded_blocks[g], j + 1)
+                continue
+            block_size = self.groups[g].block_size
+            last = -(-end_tokens // tokens)
+            first_device = self._blocks.first_present(
+                state.block_ids[g], num_computed_tokens // block_size, last * f
+            )
+            group_keys = self._blocks.request_keys(state.keys[g], hashes, g, first_device // f, last)
+            first = first_device // f
+            ranges += [(j * tokens, (j + 1) * tokens, key) for j, key in enumerate(group_keys, first)]
+            keys += group_keys
+            state.loaded_blocks[g] = max(state.loaded_blocks[g], last)
+            ids = state.block_ids[g][first_device : last * f]
+            device_ids += ids
+            sizes.append(len(ids))
+            indices.append(first_device)
+        host_spec = self.manager.prepare_load(keys)
+        self.stats.tokens_loaded += num_external_tokens
+        self.stats.loads_planned += 1
+        source = self.manager.load_source
+        spans = ((a, b, source(k)) for a, b, k in ranges)
+        state.load_sources = tokens_by_source(spans, num_computed_tokens, end_tokens)
+        for medium, count in state.load_sources.items():
+            self.tokens_by_source[medium] = self.tokens_by_source.get(medium, 0) + count
+        job = self._new_job(req_id, False, keys)
+        self._jobs[job].tokens = num_external_tokens
+        self._pending_loads.append(
+            TransferJob(job, req_id, False, host_spec, DeviceLoadStoreSpec(device_ids, sizes, indices))
+        )
+
+    def load_sources(self, req_id: str) -> dict[str, int]:
+        """The tokens of the request's last planned load per medium they came from
+        (``kvoffload.scheduler.sources``); empty for a request that loaded nothing."""
+        state = self._requests.get(req_id)
+        return dict(state.load_sources) if state is not None else {}
