@@ -102,8 +102,10 @@ def run_tail(args: argparse.Namespace) -> int:
     batches = 0
     # Ctrl-C (SIGINT) ends the loop at its next turn (a receive waits at most 0.2 s, a
     # catch-up at most REPLAY_TIMEOUT_S) instead of raising wherever the main thread is.
+    # (Signals reach the main thread only: run from another thread, e.g. embedded, no handler.)
     interrupted = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set()) if main_thread else None
     # A dropped *last* batch leaves no gap to notice, so an idle stream is checked by replay.
     next_catch_up = time.monotonic() if args.from_start else time.monotonic() + IDLE_CATCH_UP_S
     try:
@@ -124,7 +126,8 @@ def run_tail(args: argparse.Namespace) -> int:
             for event in batch.events:
                 print(format_event(seq, batch.ts, batch.data_parallel_rank, event), flush=True)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
         counters = " ".join(f"{k}={v}" for k, v in subscriber.stats().as_dict().items())
         print(f"batches={batches} {counters}", file=sys.stderr, flush=True)
         for line in metrics.exposition_lines([source]):
