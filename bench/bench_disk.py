@@ -75,9 +75,8 @@ from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.tiers.fs.format import DATA_FILE, HEADER_FILE, RECORD_BYTES, Geometry, checksum, pack_record
 from kvoffload.tiers.fs.manager import FSOffloadingManager
 from kvoffload.tiers.fs.namespace import namespace_digest
-from kvoffload.tiers.fs.tier import STORE_THREADS
 from kvoffload.tiers.fs.vectored import preadv_all
-from kvoffload.tiers.fs.worker import FSWorker
+from kvoffload.tiers.fs.worker import STORE_THREADS, FSWorker
 from kvoffload.transfer import HostBlockPool, KVLayout
 
 LAYERS = 32

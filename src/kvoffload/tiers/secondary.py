@@ -7,7 +7,9 @@ outside kvoffload, ``"package.module:ClassName"`` naming a ``SecondaryTierType``
 A ``SecondaryTierType`` does three things, each from the validated options it parsed:
 
 * ``parse(options)`` -> an instance holding the validated settings (``ValueError`` naming
-  the key and the bad value; unknown keys are errors);
+  the key and the bad value; unknown keys are errors). It has no side effects: folders,
+  servers and secrets are touched when the tier is built (a table of ``kvoffload.settings``
+  declares a built-in tier's keys);
 * ``build_manager(context)`` -> the scheduler-side ``OffloadingManager`` (index in memory);
 * ``build_worker(context, host_pool)`` -> the worker-side ``OffloadingWorker`` moving blocks
   between the host pool and the tier.
@@ -73,7 +75,7 @@ class SecondaryTierType(ABC):
     @classmethod
     @abstractmethod
     def parse(cls, options: Mapping[str, Any]) -> SecondaryTierType:
-        """Validate ``options`` (the entry without ``type``)."""
+        """Validate ``options`` (the entry without ``type``), touching nothing outside."""
 
     @abstractmethod
     def build_manager(self, context: TierContext, eviction_policy: str) -> OffloadingManager:

@@ -1,54 +1,17 @@
 """``kv_connector_extra_config`` of ``KVOffloadConnector``, validated.
 
-Keys:
+Every key is declared once, in ``EXTRA_CONFIG`` below (its kind of value, default and
+meaning; README's extra-config table is generated from it by
+``scripts/config_tables.py``); the keys of a ``secondary_tiers`` entry are in each tier
+type's own table (``kvoffload.tiers.fs.tier.FS_KEYS``, ``kvoffload.tiers.redis.tier.REDIS_KEYS``).
+The rules over several keys are code in ``parse_extra_config``: ``blocks_per_chunk`` and
+``self_describing_kv_events`` (vLLM's ``OffloadingConnector`` keys) must agree with
+``block_size`` and ``kv_events`` when both are given, ``block_size`` is a multiple of the
+engine's, and vLLM's keys with no kvoffload meaning are refused with a hint
+(``VLLM_ONLY_KEYS``). ``fault_injection`` has its own parser (``kvoffload.faults``).
 
-* ``cpu_bytes_to_use`` (required): host bytes for the CPU tier, a positive int.
-* ``block_size``: offloaded block size in tokens, a positive multiple of the engine's block
-  size (default: the engine's).
-* ``eviction_policy``: ``lru`` (default), ``arc``, any registered policy name, or a
-  ``package.module:ClassName`` path.
-* ``kv_events``: ``self_describing`` (default: ``BlockStored`` with tokens and parent) or
-  ``placeholder`` (vLLM's own offloading form: ``block_size=0``, no tokens).
-* ``secondary_tiers``: tiers below the CPU tier, as vLLM 0.32 configures them:
-  ``[{"type": "fs", "root_dir": "/path", "bytes_to_use": N, ...}]`` (see
-  ``kvoffload.tiers.secondary``; out-of-tree tiers by ``"package.module:ClassName"``).
-* ``store_threshold``: store a block only once this many requests asked for it, a
-  positive int (default 1: store every block; vLLM 0.32's key of the same name).
-* ``fault_injection``: off by default. For tests and drills, a mapping that makes chosen
-  loads and stores fail (``kvoffload.faults``): ``{"seed": 1, "load_failure_rate": 0.1,
-  "store_failure_rate": 0.1, "fail_loads": [...], "fail_stores": [...]}`` (rates in
-  [0, 1], positions are 0-based among loads / stores).
-* ``switch_interval_s``: the most seconds kvoffload's I/O threads may wait for the GIL
-  while the engine's Python loop holds it (``sys.setswitchinterval``, lowered to this at
-  start-up when higher; default 0.0002; 0 leaves the interpreter's setting). vLLM's
-  engine loop spins on its scheduler while a request waits for a promotion from a lower
-  tier; at the interpreter's default of 5 ms, every socket or file call of a transfer
-  thread paid that wait (``bench/bench_tier_ttft.py``).
-* ``offload_prompt_only``: store only blocks of prompt tokens (vLLM 0.32's key), default
-  false: unlike vLLM's connector (default true), kvoffload also stores the blocks an answer
-  fills, so the next turn of a conversation finds its whole history offloaded.
-* Keys of vLLM's own ``OffloadingConnector`` taken as they mean the same:
-  ``blocks_per_chunk`` (``block_size`` in engine blocks), ``self_describing_kv_events``
-  (true: ``kv_events="self_describing"``, false: ``"placeholder"``), ``max_tracker_size``
-  (the keys the ``store_threshold`` filter remembers). ``spec_name``,
-  ``spec_module_path``, ``cache_policy_module_path`` and ``canonical_layout`` are refused
-  with a one-line hint (``VLLM_ONLY_KEYS``).
-* ``sync_stores``: ``"auto"`` (default), ``true`` or ``false``: whether a step waits for
-  the device-to-host copies of the stores it started before it returns. ``auto`` waits
-  when the engine's KV cache is in host memory (vLLM's CPU build): there the copies run on
-  the cores the engine computes with, and a copy left running competed with the next
-  request (an engine-cache hit right after a cold prompt took 12% longer to its first
-  token); waiting instead costs the storing request about the copy's time (~1-2 ms per
-  15 MiB here). On a GPU the copies overlap compute, and ``auto`` never waits.
-
-* ``sync_load_budget_bytes`` (vLLM 0.34's key): a hit of at most this many bytes (one
-  worker's, over the step's hits together) is loaded within the step that schedules its
-  request, before the forward pass, instead of one scheduler round trip later; larger
-  hits load asynchronously. Default ``DEFAULT_SYNC_LOAD_BUDGET_BYTES``; 0 turns it off.
-  Models with one KV-cache group only: vLLM cannot undo a failed load of a request
-  already running on a model with several (it recomputes one-group blocks).
-
-Every error is a ``ValueError`` whose message names the key and the bad value.
+Parsing has no side effects: the tiers touch their folders, servers and secrets only when
+they are built. Every error is a ``ValueError`` whose message names the key and the bad value.
 """
 
 from __future__ import annotations
@@ -58,33 +21,116 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.faults import FaultConfig
+from kvoffload.policies import resolve_policy
 from kvoffload.scheduler.events import EVENT_MODES
 from kvoffload.scheduler.reuse import DEFAULT_MEMORY
+from kvoffload.settings import (
+    BOOL,
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    REQUIRED,
+    Key,
+    Schema,
+    custom,
+    one_of,
+    seconds,
+)
 from kvoffload.tiers.factory import TierConfig
 from kvoffload.tiers.secondary import parse_secondary_tiers
-from kvoffload.validation import non_negative_int, positive_int
 
 DEFAULT_SWITCH_INTERVAL_S = 0.0002
 DEFAULT_IDLE_WAIT_S = 0.001
 DEFAULT_SYNC_LOAD_BUDGET_BYTES = 16 << 20
 
-KNOWN_KEYS = (
-    "cpu_bytes_to_use",
-    "block_size",
-    "eviction_policy",
-    "kv_events",
-    "secondary_tiers",
-    "store_threshold",
-    "fault_injection",
-    "switch_interval_s",
-    "sync_stores",
-    "idle_wait_s",
-    "offload_prompt_only",
-    "blocks_per_chunk",
-    "self_describing_kv_events",
-    "max_tracker_size",
-    "sync_load_budget_bytes",
-)
+
+def _policy(where: str, value: Any) -> Any:
+    try:
+        resolve_policy(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return value
+
+
+def _tiers(where: str, value: Any) -> tuple:
+    try:
+        return parse_secondary_tiers(value)
+    except ValueError as exc:
+        raise ValueError(f"kv_connector_extra_config: {exc}") from None
+
+
+def _faults(where: str, value: Any) -> FaultConfig | None:
+    return None if value is None else FaultConfig.parse(value, where)
+
+
+_VLLM_KEY = "vLLM's `OffloadingConnector` key, taken as it means the same: "
+
+EXTRA_CONFIG = Schema((
+    Key("cpu_bytes_to_use", POSITIVE_INT, REQUIRED,
+        "host bytes for the CPU tier, the total over all workers as in vLLM: with tensor parallelism each of "
+        "the N workers holds its share of every block in `cpu_bytes_to_use / N`",
+        hint="host bytes for the CPU tier"),
+    Key("block_size", POSITIVE_INT, None,
+        "offloaded block size in tokens, a multiple of the engine's block size",
+        shown_default="the engine's"),
+    Key("eviction_policy", custom("policy name or `package.module:ClassName`", _policy), "lru",
+        "the eviction policy of every tier: `lru`, `arc`, `s3fifo`, `wtinylfu`, `turnlru`, … or a "
+        "`CachePolicy` subclass by import path"),
+    Key("kv_events", one_of(*EVENT_MODES), "self_describing",
+        "`self_describing` (`BlockStored` with `token_ids`, parent hash, `block_size`) or `placeholder` "
+        "(vLLM's own offloading form: `block_size=0`, no tokens)"),
+    Key("secondary_tiers", custom("list of tier entries", _tiers), (),
+        "tiers below the CPU tier, fastest first, vLLM 0.32's shape: `[{\"type\": \"fs\", \"root_dir\": "
+        '"/nvme/kv", "bytes_to_use": 500 << 30}, {"type": "redis", "url": "redis://10.0.0.5:6379/0"}]` '
+        '(their keys: the tables below); out-of-tree tiers as `"type": "package.module:ClassName"`',
+        shown_default="none"),
+    Key("store_threshold", POSITIVE_INT, 1,
+        "store a block only once this many requests have asked for it (vLLM 0.32's key); blocks held back "
+        "are counted in `skipped_stores`",
+        shown_default="`1` (store every block)"),
+    Key("fault_injection", custom("mapping", _faults), None,
+        'for tests and drills: make loads and stores fail, seeded (`kvoffload.faults`): `{"seed": 1, '
+        '"load_failure_rate": 0.1, "store_failure_rate": 0.1}` (rates in [0, 1]), or exact positions '
+        '`"fail_loads": [0, 5]`, `"fail_stores": [...]` (0-based among loads / stores). A failed job first '
+        "copies from the wrong blocks, then reports failure",
+        shown_default="off"),
+    Key("switch_interval_s", seconds(0, 0.1), DEFAULT_SWITCH_INTERVAL_S,
+        "the interpreter's GIL switch interval is lowered to this at start-up (`sys.setswitchinterval`; 0 "
+        "leaves it): vLLM's engine loop spins while a request waits for a promotion, and at Python's "
+        "default of 5 ms each socket or file call of kvoffload's transfer threads waited that long for the "
+        "GIL"),
+    Key("sync_stores", one_of("auto", True, False, must="be 'auto', true or false"), "auto",
+        "whether a step waits for the device-to-host copies of the stores it started before it returns. "
+        "`auto` waits when the engine's KV cache is in host memory (vLLM's CPU build): there a copy left "
+        "running competed with the next request for the cores (an engine-cache hit right after a cold "
+        "prompt took 12% longer to its first token), and waiting costs the storing request about the "
+        "copy's time (~1-2 ms per 15 MiB); on a GPU the copies overlap compute and `auto` never waits"),
+    Key("idle_wait_s", seconds(0, 0.1), DEFAULT_IDLE_WAIT_S,
+        "in a step that schedules no tokens (no forward pass runs), the worker side first waits up to this "
+        "long for its loads and tier promotions in flight instead of returning at once: vLLM's loop would "
+        "otherwise spin through empty steps, holding a core and the GIL the transfer threads need (0 turns "
+        "it off)"),
+    Key("offload_prompt_only", BOOL, False,
+        "store only the blocks of prompt tokens (vLLM 0.32's key). kvoffload's default differs from vLLM's "
+        "(true): the blocks an answer fills are stored too, so a conversation's next turn finds its whole "
+        "history"),
+    Key("blocks_per_chunk", POSITIVE_INT, None,
+        _VLLM_KEY + "`block_size` in engine blocks (given with `block_size`, they must agree)"),
+    Key("self_describing_kv_events", BOOL, None,
+        _VLLM_KEY + "`kv_events` as a boolean, true for `self_describing` (given with `kv_events`, they "
+        "must agree)"),
+    Key("max_tracker_size", POSITIVE_INT, DEFAULT_MEMORY,
+        _VLLM_KEY + "how many keys `store_threshold` remembers (the most recently counted; a forgotten key "
+        "starts from zero)"),
+    Key("sync_load_budget_bytes", NON_NEGATIVE_INT, DEFAULT_SYNC_LOAD_BUDGET_BYTES,
+        "vLLM 0.34's key: a hit of at most this many bytes (one worker's; the step's hits share the budget) "
+        "is loaded within the step that schedules its request, before its forward pass, instead of one "
+        "scheduler round trip later; larger hits load asynchronously; 0 turns it off. Models with one "
+        "KV-cache group only: vLLM cannot undo a failed load of a request already running on a model with "
+        "several",
+        shown_default="`16777216` (16 MiB)"),
+), where="kv_connector_extra_config[{key!r}]",
+   unknown="unknown kv_connector_extra_config key(s) {unknown}; known: {known}")  # fmt: skip
+KNOWN_KEYS = EXTRA_CONFIG.names
 
 # vLLM OffloadingConnector keys with no kvoffload meaning -> what to do instead
 VLLM_ONLY_KEYS = {
@@ -114,18 +160,6 @@ class OffloadConfig:
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET_BYTES
 
 
-def _positive_int(extra: Mapping[str, Any], key: str) -> int:
-    return positive_int(f"kv_connector_extra_config[{key!r}]", extra[key])
-
-
-def _short_seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
-    """``extra[key]`` (or ``default``): a number of seconds in [0, 0.1]."""
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.1:
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be seconds in [0, 0.1], got {value!r}")
-    return float(value)
-
-
 def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) -> OffloadConfig:
     """Validate ``extra`` against an engine whose device blocks hold ``engine_block_size`` tokens."""
     extra = dict(extra or {})
@@ -133,73 +167,45 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
         raise ValueError(
             f"kv_connector_extra_config[{key!r}] is vLLM's OffloadingConnector's: {VLLM_ONLY_KEYS[key]}"
         )
-    unknown = sorted(set(extra) - set(KNOWN_KEYS))
-    if unknown:
-        raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {list(KNOWN_KEYS)}")
-    if "cpu_bytes_to_use" not in extra:
+    values = EXTRA_CONFIG.parse(extra)
+    if values["blocks_per_chunk"] is not None:
+        chunk = values["blocks_per_chunk"] * engine_block_size
+        if values["block_size"] not in (None, chunk):
+            raise ValueError(
+                f"kv_connector_extra_config['blocks_per_chunk'] ({values['blocks_per_chunk']} engine blocks: "
+                f"{chunk} tokens) disagrees with block_size={values['block_size']!r}"
+            )
+        values["block_size"] = chunk
+    block_size = values["block_size"] or engine_block_size
+    if block_size % engine_block_size:
         raise ValueError(
-            "kv_connector_extra_config['cpu_bytes_to_use'] is required (host bytes for the CPU tier)"
+            f"kv_connector_extra_config['block_size'] must be a multiple of the engine block size "
+            f"{engine_block_size}, got {block_size}"
         )
-    cpu_bytes = _positive_int(extra, "cpu_bytes_to_use")
-    block_size = engine_block_size
-    if "blocks_per_chunk" in extra:
-        chunk = _positive_int(extra, "blocks_per_chunk") * engine_block_size
-        if extra.setdefault("block_size", chunk) != chunk:
-            raise ValueError(
-                f"kv_connector_extra_config['blocks_per_chunk'] ({extra['blocks_per_chunk']} engine blocks: "
-                f"{chunk} tokens) disagrees with block_size={extra['block_size']!r}"
-            )
-    if "block_size" in extra:
-        block_size = _positive_int(extra, "block_size")
-        if block_size % engine_block_size:
-            raise ValueError(
-                f"kv_connector_extra_config['block_size'] must be a multiple of the engine block size "
-                f"{engine_block_size}, got {block_size}"
-            )
-    store_threshold = _positive_int(extra, "store_threshold") if "store_threshold" in extra else 1
-    if "self_describing_kv_events" in extra:
-        flag = _bool(extra, "self_describing_kv_events", True)
+    flag = values["self_describing_kv_events"]
+    if flag is not None:
         events = "self_describing" if flag else "placeholder"
-        if extra.setdefault("kv_events", events) != events:
+        if "kv_events" in extra and values["kv_events"] != events:
             raise ValueError(
                 f"kv_connector_extra_config['self_describing_kv_events']={flag!r} disagrees with "
-                f"kv_events={extra['kv_events']!r}"
+                f"kv_events={values['kv_events']!r}"
             )
-    events = extra.get("kv_events", "self_describing")
-    if events not in EVENT_MODES:
-        raise ValueError(
-            f"kv_connector_extra_config['kv_events'] must be one of {list(EVENT_MODES)}, got {events!r}"
-        )
-    try:
-        tiers = TierConfig(
-            cpu_bytes,
-            block_size // engine_block_size,
-            extra.get("eviction_policy", "lru"),
-            parse_secondary_tiers(extra.get("secondary_tiers", [])),
-        )
-    except ValueError as exc:
-        raise ValueError(f"kv_connector_extra_config: {exc}") from None
-    faults = None
-    if extra.get("fault_injection") is not None:
-        faults = FaultConfig.parse(extra["fault_injection"], "kv_connector_extra_config['fault_injection']")
-    interval = _short_seconds(extra, "switch_interval_s", DEFAULT_SWITCH_INTERVAL_S)
-    sync = extra.get("sync_stores", "auto")
-    if not (isinstance(sync, bool) or sync == "auto"):
-        raise ValueError(
-            f"kv_connector_extra_config['sync_stores'] must be 'auto', true or false, got {sync!r}"
-        )
-    idle_wait = _short_seconds(extra, "idle_wait_s", DEFAULT_IDLE_WAIT_S)
-    prompt_only = _bool(extra, "offload_prompt_only", False)
-    memory = _positive_int(extra, "max_tracker_size") if "max_tracker_size" in extra else DEFAULT_MEMORY
-    budget = extra.get("sync_load_budget_bytes", DEFAULT_SYNC_LOAD_BUDGET_BYTES)
-    non_negative_int("kv_connector_extra_config['sync_load_budget_bytes']", budget)
-    return OffloadConfig(
-        tiers, events, store_threshold, faults, interval, sync, idle_wait, prompt_only, memory, budget
+        values["kv_events"] = events
+    tiers = TierConfig(
+        values["cpu_bytes_to_use"],
+        block_size // engine_block_size,
+        values["eviction_policy"],
+        values["secondary_tiers"],
     )
-
-
-def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = extra.get(key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
-    return value
+    return OffloadConfig(
+        tiers,
+        values["kv_events"],
+        values["store_threshold"],
+        values["fault_injection"],
+        values["switch_interval_s"],
+        values["sync_stores"],
+        values["idle_wait_s"],
+        values["offload_prompt_only"],
+        values["max_tracker_size"],
+        values["sync_load_budget_bytes"],
+    )

@@ -6,7 +6,8 @@
   directory that keeps engines with other byte layouts apart.
 * ``format``: files, slot geometry and header records; ``block_io``: the crash-safe
   write/read protocol; ``scan``: the index rebuild; ``index``/``order``: compact index
-  and eviction order.
+  and eviction order; ``space``: reserved file space; ``floor``: the free-space floor;
+  ``direct``: ``O_DIRECT`` reads; ``tier``: the ``"fs"`` entry of ``secondary_tiers``.
 
 Names are re-exported lazily: importing the manager never loads torch.
 """

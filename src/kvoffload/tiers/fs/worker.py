@@ -34,14 +34,11 @@ Contract, beyond ``kvoffload.worker``:
   (``kvoffload.tiers.fs.space``): a store writes into allocated space, never past the
   tier's ``bytes_to_use``. Host rows are handed to the kernel as byte views of the pool
   (``kvoffload.tiers.host_rows``).
-* Stores are declined (failed, counted as ``floor_declines``) when reserving the job's
-  not-yet-reserved chunks would leave the file system less free space than the floor:
-  ``max(min_free_bytes, min_free_fraction * file-system size)`` (both 0: no floor, no
-  ``statvfs`` per job). Only chunks this process has not reserved yet count as needing
-  space: rewriting a slot takes none. ``ENOSPC``/``EDQUOT``,
-  ``EIO`` and ``EROFS`` fail the job and are counted; nothing raises out of ``submit`` or
-  ``poll`` for them, and later jobs are tried as usual (the worker recovers when the file
-  system does). ``free_floor`` (bytes, an attribute) may be changed while running.
+* Stores are declined (failed, counted as ``floor_declines``) by the free-space floor
+  (``kvoffload.tiers.fs.floor``); ``free_floor`` (bytes, an attribute) may be changed
+  while running. ``ENOSPC``/``EDQUOT``, ``EIO`` and ``EROFS`` fail the job and are counted;
+  nothing raises out of ``submit`` or ``poll`` for them, and later jobs are tried as usual
+  (the worker recovers when the file system does).
 * ``counters()`` snapshots ``FSWorkerCounters``. ``close()`` lets queued jobs finish, then
   closes the files; idempotent.
 """
@@ -63,13 +60,22 @@ from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, CPULoadStoreSpec, DiskLoadStoreSpec, LoadStoreSpec
 from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock
 from kvoffload.tiers.fs.direct import DIRECT_ALIGN
+from kvoffload.tiers.fs.floor import FloorDeclined, check_floor, check_floor_settings, floor_bytes
 from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
 from kvoffload.tiers.fs.namespace import namespace_digest, open_namespace_dir
 from kvoffload.tiers.fs.space import SlotSpace
-from kvoffload.tiers.fs.tier import LOAD_THREADS, STORE_THREADS
 from kvoffload.tiers.host_rows import HostRows
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
+
+# Default I/O threads. Stores: buffered writes into one file are serialised by the file
+# system (ext4 takes the inode lock per write), so a second thread only overlaps one
+# run's CRC32C and Python with another's write; more contend for the lock and cost CPU
+# (BENCHMARKS.md, disk tier run 6: 2 threads stored 0.79 and 0.67 of the baseline where 4
+# stored 0.66 and 0.63, at 0.86-0.99x their CPU). Loads: parallel direct reads keep the
+# device's queue full.
+STORE_THREADS = 2
+LOAD_THREADS = 4
 
 RUN_BYTES = 1 << 20
 STORE = "disk_store"  # host -> disk
@@ -144,10 +150,7 @@ class FSWorker(OffloadingWorker):
         pool's rows and the file system allow it (``kvoffload.tiers.fs.direct``)."""
         positive_int("load_threads", load_threads)
         positive_int("store_threads", store_threads)
-        if not isinstance(min_free_fraction, (int, float)) or not 0 <= min_free_fraction < 1:
-            raise ValueError(f"min_free_fraction must be in [0, 1), got {min_free_fraction!r}")
-        if not isinstance(min_free_bytes, int) or isinstance(min_free_bytes, bool) or min_free_bytes < 0:
-            raise ValueError(f"min_free_bytes must be a non-negative int, got {min_free_bytes!r}")
+        check_floor_settings(min_free_fraction, min_free_bytes)
         self.host_pool = host_pool
         self._host = HostRows(host_pool)
         payload = self._host.block_bytes
@@ -165,8 +168,7 @@ class FSWorker(OffloadingWorker):
         except OSError as exc:
             raise ValueError(f"root_dir {os.fspath(root_dir)!r} cannot be written: {exc}") from None
         self.space = SlotSpace(self.files.data_fd, self.geometry.slot_stride, self.num_slots)
-        fs = os.statvfs(self.path)
-        self.free_floor = max(min_free_bytes, int(min_free_fraction * fs.f_blocks * fs.f_frsize))
+        self.free_floor = floor_bytes(self.path, min_free_fraction, min_free_bytes)
         # Runs batch consecutive slots up to ~1 MiB: longer ones lose the cache (a run's
         # CRCs are computed before its write, and after its read), measured in bench_disk.
         self._run_blocks = max(1, RUN_BYTES // payload)
@@ -321,23 +323,14 @@ class FSWorker(OffloadingWorker):
             setattr(self._counters, name, getattr(self._counters, name) + n)
 
     def _check_floor(self, job: _Job) -> None:
-        if not self.free_floor:  # no floor: the file system's own ENOSPC is the limit
-            return
-        new = self.space.unreserved_bytes(job.slots)
-        if not new:
-            return
         try:
-            fs = os.statvfs(self.path)
+            check_floor(self.path, self.free_floor, self.space, job.slots)
+        except FloorDeclined as exc:
+            self._count("floor_declines")
+            raise _Failed(f"store job {job.job_id} declined: {exc}") from None
         except OSError as exc:
             self._os_error(exc)
             raise _Failed(f"store job {job.job_id}: cannot check free space: {exc}") from None
-        free = fs.f_bavail * fs.f_frsize
-        if free - new < self.free_floor:
-            self._count("floor_declines")
-            raise _Failed(
-                f"store job {job.job_id} declined: {free} bytes free, it needs {new}, "
-                f"and the free-space floor is {self.free_floor}"
-            )
 
     def _os_error(self, exc: OSError) -> None:
         self._count(_ERRNO_COUNTER.get(exc.errno, "other_errors"))

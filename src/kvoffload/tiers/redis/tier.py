@@ -1,33 +1,15 @@
 """``type: "redis"`` in ``secondary_tiers``: a Redis/Valkey server shared by engine replicas.
 
-Keys of its entry (errors name the key and the value; a URL is shown without password):
+The keys of its entry are declared once, in ``REDIS_KEYS`` (kind of value, default,
+meaning; README's shared-tier table is generated from it by ``scripts/config_tables.py``);
+errors name the key and the value, and a URL is shown without its password.
 
-* ``url`` (required): ``redis://[user:password@]host:port/db``, ``rediss://`` for TLS,
-  ``unix:///path/to.sock``.
-* ``cluster`` (default false): the URL names one node of a Redis Cluster.
-* ``password_env``: the name of an environment variable holding the password (instead of
-  putting it in the URL).
-* ``bytes_to_use``: the most bytes of values this engine keeps on the server (with
-  tensor parallelism, every rank's share of a block counted: each rank stores its share
-  under a name of its own); the blocks it wrote are deleted there when its index evicts
-  them. Without it the index holds up to
-  ``max_index_blocks`` blocks and nothing is deleted: the server's ``maxmemory`` policy
-  bounds the store.
-* ``max_index_blocks`` (default 1,000,000): blocks the local index tracks without a budget.
-* ``namespace`` (default ``"kvoffload"``): the first part of every key name, to keep
-  kvoffload's keys (or one deployment's) apart on a shared server; the layout namespace
-  derived from the blocks' identity follows it.
-* ``ttl_s``: optional expiry of stored blocks, seconds.
-* ``connect_timeout_s`` (default 1.0), ``timeout_s`` (default 2.0): bounds of every call.
-* ``probe_timeout_s`` (default 1.0): a lookup still unanswered after this is a miss.
-* ``reconcile_interval_s`` (default 30): how often the index is checked against the server.
-* ``io_threads`` (default 2): the worker's threads.
-
-Start-up: configuration errors (bad URL, unset ``password_env``) fail the engine start;
-a server that cannot be reached is not an error: the tier starts degraded (logged once),
-answers misses, and serves once the server answers. The shared cache is an optimisation,
-so its outage must not stop an engine from serving. Credentials the server rejects are
-a configuration error and fail the start.
+Start-up: parsing checks values only; building the tier reads the password and its
+manager pings the server. Configuration errors (bad URL, unset ``password_env``, named)
+fail the engine start; a server that cannot be reached is not an error: the tier starts
+degraded (logged once), answers misses, and serves once the server answers. The shared
+cache is an optimisation, so its outage must not stop an engine from serving.
+Credentials the server rejects are a configuration error and fail the start.
 """
 
 from __future__ import annotations
@@ -37,70 +19,83 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvoffload.manager import OffloadingManager
+from kvoffload.settings import BOOL, POSITIVE_INT, POSITIVE_SECONDS, REQUIRED, Key, Schema, custom, text
 from kvoffload.tiers.redis.calls import NodeCalls
 from kvoffload.tiers.redis.client import ServerSettings, check_url, connect, redact
 from kvoffload.tiers.redis.format import KeyNames, redis_namespace, value_bytes
 from kvoffload.tiers.secondary import SecondaryTierType, TierContext
-from kvoffload.validation import positive_int
 from kvoffload.worker import OffloadingWorker
 
 log = logging.getLogger("kvoffload.tiers.redis")
 
-_SECONDS = {"connect_timeout_s": 1.0, "timeout_s": 2.0, "probe_timeout_s": 1.0, "reconcile_interval_s": 30.0}
-_KNOWN = ("url", "cluster", "password_env", "bytes_to_use", "max_index_blocks", "namespace", "ttl_s",
-          "io_threads", *_SECONDS)  # fmt: skip
+_URL = custom("`redis://`, `rediss://` or `unix://` URL", lambda where, value: check_url(value))
+_NAME = text(
+    "name", "be a non-empty name without spaces or ':'", lambda v: v != "" and not set(v) & set(" :\n\r\0")
+)
+_VARIABLE = text("variable name", "name an environment variable", bool)
 
-
-def _seconds(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{key} must be a positive number of seconds, got {value!r}")
-    return float(value)
+REDIS_KEYS = Schema((
+    Key("url", _URL, REQUIRED,
+        "`redis://[user:password@]host:port/db`, `rediss://` for TLS, `unix:///path/to.sock`; shown only "
+        "with its password hidden",
+        hint="e.g. 'redis://127.0.0.1:6379/0'"),
+    Key("cluster", BOOL, False, "the URL names one node of a Redis Cluster"),
+    Key("password_env", _VARIABLE, None,
+        "the environment variable holding the password (instead of putting it in the URL), read when the "
+        "tier is built: unset, it fails start-up naming the variable; never logged"),
+    Key("bytes_to_use", POSITIVE_INT, None,
+        "the most bytes of values this engine keeps on the server (with tensor parallelism every rank's "
+        "share of a block counted); the blocks it wrote are deleted when its index evicts them. Without it "
+        "the index holds up to `max_index_blocks` blocks, nothing is deleted, and the server's `maxmemory` "
+        "policy bounds the store",
+        shown_default="none"),
+    Key("max_index_blocks", POSITIVE_INT, 1_000_000, "blocks the local index tracks without `bytes_to_use`"),
+    Key("namespace", _NAME, "kvoffload",
+        "the first part of every key name, to keep kvoffload's keys (or one deployment's) apart on a shared "
+        "server; the layout namespace derived from the blocks' identity follows it"),
+    Key("ttl_s", POSITIVE_INT, None, "expiry of stored blocks, seconds", shown_default="none"),
+    Key("io_threads", POSITIVE_INT, 2, "the worker's threads"),
+    Key("connect_timeout_s", POSITIVE_SECONDS, 1.0, "bound of connecting to the server"),
+    Key("timeout_s", POSITIVE_SECONDS, 2.0, "bound of every call"),
+    Key("probe_timeout_s", POSITIVE_SECONDS, 1.0, "a lookup still unanswered after this is a miss"),
+    Key("reconcile_interval_s", POSITIVE_SECONDS, 30.0,
+        "how often the index is checked against the server (what keyspace notifications did not tell)"),
+), unknown="unknown key(s) {unknown} for the redis tier; known: {known}",
+   missing="the redis tier needs {key!r}{hint}")  # fmt: skip
 
 
 class RedisTierType(SecondaryTierType):
     type_name = "redis"
 
     def __init__(self, server: ServerSettings, options: Mapping[str, Any]) -> None:
+        """``options``: every key of ``REDIS_KEYS``, parsed."""
         self.server = server
-        self.bytes_to_use: int | None = options.get("bytes_to_use")
-        self.max_index_blocks: int = options.get("max_index_blocks", 1_000_000)
-        self.prefix: str = options.get("namespace", "kvoffload")
-        self.ttl: int | None = options.get("ttl_s")
-        self.io_threads: int = options.get("io_threads", 2)
-        self.seconds = {key: options.get(key, default) for key, default in _SECONDS.items()}
+        self.bytes_to_use: int | None = options["bytes_to_use"]
+        self.max_index_blocks: int = options["max_index_blocks"]
+        self.prefix: str = options["namespace"]
+        self.ttl: int | None = options["ttl_s"]
+        self.io_threads: int = options["io_threads"]
+        self.seconds = {key: options[key] for key in ("probe_timeout_s", "reconcile_interval_s")}
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> RedisTierType:
-        unknown = sorted(set(options) - set(_KNOWN))
-        if unknown:
-            raise ValueError(f"unknown key(s) {unknown} for the redis tier; known: {list(_KNOWN)}")
-        if "url" not in options:
-            raise ValueError("the redis tier needs 'url' (e.g. 'redis://127.0.0.1:6379/0')")
-        url = check_url(options["url"])
-        cluster = options.get("cluster", False)
-        if not isinstance(cluster, bool):
-            raise ValueError(f"cluster must be true or false, got {cluster!r}")
-        password_env = options.get("password_env")
-        if password_env is not None and (not isinstance(password_env, str) or not password_env):
-            raise ValueError(f"password_env must name an environment variable, got {password_env!r}")
-        prefix = options.get("namespace", "kvoffload")
-        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in " :\n\r\0"):
-            raise ValueError(f"namespace must be a non-empty name without spaces or ':', got {prefix!r}")
-        parsed = {"namespace": prefix}
-        for key in ("bytes_to_use", "ttl_s", "max_index_blocks", "io_threads"):
-            if key in options:
-                parsed[key] = positive_int(key, options[key])
-        seconds = {key: _seconds(key, options[key]) for key in _SECONDS if key in options}
-        server = ServerSettings(url, cluster, password_env, seconds.get("connect_timeout_s", 1.0),
-                                seconds.get("timeout_s", 2.0))  # fmt: skip
-        server.password()  # an unset password_env is a configuration error
-        return cls(server, {**parsed, **seconds})
+        values = REDIS_KEYS.parse(options)
+        server = ServerSettings(values["url"], values["cluster"], values["password_env"],
+                                values["connect_timeout_s"], values["timeout_s"])  # fmt: skip
+        return cls(server, values)
 
     def _names(self, context: TierContext, rank: int | None = None) -> KeyNames:
         return KeyNames(self.prefix, redis_namespace(context.rank_identity(rank)))
 
     def _connect(self):
         return connect(self.server)
+
+    def _check_password(self) -> None:
+        """An unset ``password_env`` is a configuration error (read here, not when parsing)."""
+        try:
+            self.server.password()
+        except ValueError as exc:
+            raise ValueError(f"redis tier {self.server.shown}: {exc}") from None
 
     def _check_server(self) -> None:
         """Refuse rejected credentials; tolerate an unreachable server (logged)."""
@@ -120,6 +115,7 @@ class RedisTierType(SecondaryTierType):
         from kvoffload.tiers.redis.lookups import RemoteLookups
         from kvoffload.tiers.redis.manager import RedisOffloadingManager
 
+        self._check_password()
         self._check_server()
         per_block = value_bytes(context.block_bytes) * context.world_size  # every rank's share
         if self.bytes_to_use is not None:
@@ -145,6 +141,7 @@ class RedisTierType(SecondaryTierType):
     def build_worker(self, context: TierContext, host_pool: Any) -> OffloadingWorker:
         from kvoffload.tiers.redis.worker import RedisWorker
 
+        self._check_password()
         calls = NodeCalls(self._connect, f"redis tier {self.server.shown} (transfers)", self.server.cluster)
         worker = RedisWorker(host_pool, calls, self._names(context), io_threads=self.io_threads, ttl=self.ttl)
         if worker.block_bytes != context.block_bytes:

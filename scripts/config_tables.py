@@ -1,0 +1,85 @@
+"""README.md's configuration key tables, generated from the schemas that validate the keys.
+
+    .venv/bin/python scripts/config_tables.py          # exit 1, with a diff, when README differs
+    .venv/bin/python scripts/config_tables.py --write  # rewrite README's tables
+
+Each table lies between marker comments, ``<!-- keys:NAME -->`` and ``<!-- /keys:NAME -->``;
+only the text between them is rewritten. ``NAME`` is one of ``TABLES``: the connector's
+extra config (``kvoffload.integrations.vllm.config.EXTRA_CONFIG``, needs vLLM installed) and
+each built-in tier type's entry (``FS_KEYS``, ``REDIS_KEYS``). ``tests`` checks that
+README.md is what this script writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _connector() -> str:
+    from kvoffload.integrations.vllm.config import EXTRA_CONFIG, VLLM_ONLY_KEYS
+
+    *most, last = (f"`{key}`" for key in VLLM_ONLY_KEYS)
+    refused = f"{', '.join(most)} and {last}"
+    return (
+        EXTRA_CONFIG.markdown("extra-config key")
+        + f"\nvLLM's `OffloadingConnector` keys {refused} have no meaning here: they are refused with a "
+        "hint saying what to do instead.\n"
+    )
+
+
+def _fs() -> str:
+    from kvoffload.tiers.fs.tier import FS_KEYS
+
+    return FS_KEYS.markdown('`"type": "fs"` key')
+
+
+def _redis() -> str:
+    from kvoffload.tiers.redis.tier import REDIS_KEYS
+
+    return REDIS_KEYS.markdown('`"type": "redis"` key')
+
+
+TABLES: dict[str, Callable[[], str]] = {"connector": _connector, "fs": _fs, "redis": _redis}
+
+
+def render(readme: str) -> str:
+    """``readme`` with every table region rewritten; ``ValueError`` when a region's markers
+    are missing or appear twice."""
+    for name, table in TABLES.items():
+        pattern = re.compile(rf"(<!-- keys:{name} -->\n)(.*?)(<!-- /keys:{name} -->)", re.DOTALL)
+        found = len(pattern.findall(readme))
+        if found != 1:
+            raise ValueError(f"README.md has {found} regions <!-- keys:{name} --> ... <!-- /keys:{name} -->")
+        text = table()
+        readme = pattern.sub(lambda m, text=text: m.group(1) + text + m.group(3), readme)
+    return readme
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite README.md's tables")
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args(argv)
+    current = args.readme.read_text()
+    wanted = render(current)
+    if wanted == current:
+        return 0
+    if args.write:
+        args.readme.write_text(wanted)
+        print(f"rewrote the key tables of {args.readme}")
+        return 0
+    diff = difflib.unified_diff(current.splitlines(True), wanted.splitlines(True), "README.md", "generated")
+    sys.stdout.writelines(diff)
+    print(f"\n{args.readme}'s key tables differ from the schemas: run scripts/config_tables.py --write")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The options of ``kvoffload sim``: declared, defaulted and checked.
+
+* ``add_arguments(parser)`` declares every option of the subcommand on ``parser``.
+* ``validate(args)`` checks every flag before any replay, fills in the defaults that
+  depend on other flags (``--policies`` and ``--capacities`` differ with ``--replicas``)
+  and loads the trace. It returns ``(cost, policies, capacities, disk_capacities, trace,
+  fleet)``, ``fleet`` the checked fleet options (``None`` without ``--replicas``). A bad
+  value raises ``ValueError`` naming the flag and the value (an empty list ``SystemExit``),
+  a bad trace ``TraceFormatError`` or ``OSError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvoffload.index.tiers import TierWeights
+from kvoffload.sim.disk_plan import ADMISSION, DEFAULT_ADMISSION
+from kvoffload.sim.fleet import default_load_window
+from kvoffload.sim.planning import BELADY, CostModel, parse_bytes, parse_capacity, validate_policies
+from kvoffload.sim.routing import DEFAULT_BALANCE_THRESHOLD, ROUTINGS, check_threshold, validate_routings
+from kvoffload.sim.trace import MOONCAKE_BLOCK_SIZE, read_trace
+from kvoffload.sim.workloads import WORKLOADS, builtin_workload
+
+# KV bytes per token in bf16: 2 (K and V) x layers x KV heads x head dim x 2 bytes.
+MODELS = {
+    "llama3-8b": 2 * 32 * 8 * 128 * 2,
+    "llama3-70b": 2 * 80 * 8 * 128 * 2,
+    "qwen2.5-7b": 2 * 28 * 4 * 128 * 2,
+    "mistral-7b": 2 * 32 * 8 * 128 * 2,
+}
+DEFAULT_POLICIES = "lru,arc,s3fifo,wtinylfu,belady"
+DEFAULT_CAPACITIES = "1%,5%,10%,25%"
+FLEET_POLICIES = "lru"
+FLEET_CAPACITIES = "1%,5%"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "source", help=f"a Mooncake-format JSONL trace, or a built-in workload: {', '.join(WORKLOADS)}"
+    )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help=f"comma-separated (default {DEFAULT_POLICIES}; with --replicas {FLEET_POLICIES})",
+    )
+    p.add_argument(
+        "--capacities",
+        default=None,
+        help="comma-separated host sizes: '5%%' or '0.05' of the unique blocks, '2000' blocks, "
+        "or bytes like '8GiB' (default " + DEFAULT_CAPACITIES.replace("%", "%%") + "; with --replicas "
+        "per replica, default " + FLEET_CAPACITIES.replace("%", "%%") + ")",
+    )
+    p.add_argument(
+        "--disk-capacities",
+        default=None,
+        help="comma-separated disk-tier sizes below the host tier, in the same forms as "
+        "--capacities, e.g. '10%%,64GiB' (default: no disk tier)",
+    )
+    p.add_argument(
+        "--disk-bandwidth",
+        default="5GB",
+        help="disk-to-host read bytes per second, e.g. '5GB' (default 5GB; with --disk-capacities)",
+    )
+    p.add_argument(
+        "--shared-capacity",
+        default=None,
+        help="with --replicas: a shared tier (e.g. one Redis server) under every replica's host tier, "
+        "sized for the whole fleet in the forms of --capacities (default: none)",
+    )
+    p.add_argument(
+        "--remote-bandwidth",
+        default="3GB",
+        help="shared-tier-to-host bytes per second, e.g. '3GB' (default 3GB; with --shared-capacity)",
+    )
+    p.add_argument(
+        "--disk-policy",
+        default=None,
+        help="eviction policy of the disk tier (default: the row's policy)",
+    )
+    p.add_argument(
+        "--disk-admit",
+        choices=ADMISSION,
+        default=None,
+        help="which blocks go to disk: 'all' written through, or 'seen-twice' (Dynamo KVBM's rule: "
+        f"a block stored to the host tier a second time) (default {DEFAULT_ADMISSION})",
+    )
+    p.add_argument(
+        "--device-blocks",
+        type=int,
+        default=0,
+        help="engine prefix cache in front, in blocks (default 0: none)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=MOONCAKE_BLOCK_SIZE,
+        help="tokens per block of a trace file (default 512)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="simulate a fleet of this many engines, each with its own device and host tier "
+        "(default: one engine, no routing)",
+    )
+    p.add_argument(
+        "--routing",
+        default=None,
+        help=f"comma-separated routing policies with --replicas: {', '.join(ROUTINGS)} (default: all)",
+    )
+    p.add_argument(
+        "--balance-threshold",
+        type=float,
+        default=None,
+        help="kv_aware routes to the least loaded replica while the load imbalance (max/mean) "
+        f"exceeds this; 'inf' turns the guard off (default {DEFAULT_BALANCE_THRESHOLD})",
+    )
+    p.add_argument(
+        "--load-window",
+        type=int,
+        default=None,
+        help="requests over which a replica's load (prefill tokens it computed) is counted "
+        "(default 16 per replica)",
+    )
+    p.add_argument(
+        "--tier-weights",
+        default=None,
+        help="kv_aware's index tier weights, e.g. 'host=0.5' (default device=1,host=0.75)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of a built-in workload and of random routing (default 0)"
+    )
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="llama3-8b",
+        help="sets --kv-bytes-per-token (default llama3-8b)",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=None,
+        help="KV bytes per token (default: from --model, 131072)",
+    )
+    p.add_argument(
+        "--prefill-tps", type=float, default=8000.0, help="prefill tokens per second (default 8000)"
+    )
+    p.add_argument(
+        "--bandwidth", default="25GB", help="host-to-device bytes per second, e.g. '25GB' (default 25GB)"
+    )
+    p.add_argument("--csv", type=Path, default=Path("sim.csv"), help="CSV output (default sim.csv)")
+    p.add_argument("--png", type=Path, default=Path("sim.png"), help="plot output (default sim.png)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the host tier's counters on /metrics while each row replays, and print them per row "
+        "(host-tier replay only)",
+    )
+    p.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)"
+    )
+
+
+def _split(text: str, flag: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise SystemExit(f"kvoffload sim: {flag} is empty: {text!r}")
+    return items
+
+
+def _validate_fleet(args: argparse.Namespace, policies: list[str], disk_capacities: list[str]) -> dict | None:
+    """The fleet options checked (``None`` without ``--replicas``, where none may be given)."""
+    options = {
+        "--routing": args.routing,
+        "--balance-threshold": args.balance_threshold,
+        "--load-window": args.load_window,
+        "--tier-weights": args.tier_weights,
+    }
+    if args.replicas is None:
+        for flag, value in options.items():
+            if value is not None:
+                raise ValueError(f"{flag} {value!r} needs --replicas")
+        return None
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if disk_capacities:
+        raise ValueError(f"--disk-capacities {args.disk_capacities!r}: no disk tier in a fleet (--replicas)")
+    if all(name.lower() == BELADY for name in policies):
+        raise ValueError(f"--policies {args.policies!r}: belady has no fleet replay")
+    try:
+        routings = validate_routings(_split(args.routing or ",".join(ROUTINGS), "--routing"))
+    except ValueError as exc:
+        raise ValueError(f"--routing: {exc}") from None
+    threshold = DEFAULT_BALANCE_THRESHOLD if args.balance_threshold is None else args.balance_threshold
+    try:
+        check_threshold(threshold)
+    except ValueError:
+        raise ValueError(f"--balance-threshold must be >= 1 (max/mean load), got {threshold!r}") from None
+    window = default_load_window(args.replicas) if args.load_window is None else args.load_window
+    if window < 1:
+        raise ValueError(f"--load-window must be >= 1, got {window}")
+    try:
+        weights = TierWeights() if args.tier_weights is None else TierWeights.parse(args.tier_weights)
+    except ValueError as exc:
+        raise ValueError(f"--tier-weights: {exc}") from None
+    return {"routings": routings, "balance_threshold": threshold, "load_window": window, "weights": weights}
+
+
+def validate(args: argparse.Namespace):
+    """Every flag checked (errors name the flag and the value) and the trace loaded."""
+    kv_bytes = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else MODELS[args.model]
+    cost = CostModel(
+        args.prefill_tps,
+        float(_flag_bytes(args.bandwidth, "--bandwidth")),
+        kv_bytes,
+        float(_flag_bytes(args.disk_bandwidth, "--disk-bandwidth")),
+        float(_flag_bytes(args.remote_bandwidth, "--remote-bandwidth")),
+    )
+    in_fleet = args.replicas is not None
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be a port in 0..65535, got {args.metrics_port}")
+    if args.metrics_port is not None and (in_fleet or args.disk_capacities):
+        raise ValueError(
+            "--metrics-port serves the host-tier replay only, not --replicas or --disk-capacities"
+        )
+    if args.policies is None:
+        args.policies = FLEET_POLICIES if in_fleet else DEFAULT_POLICIES
+    if args.capacities is None:
+        args.capacities = FLEET_CAPACITIES if in_fleet else DEFAULT_CAPACITIES
+    policies = validate_policies(_split(args.policies, "--policies"))
+    capacities = _split(args.capacities, "--capacities")
+    disk_capacities = (
+        [] if args.disk_capacities is None else _split(args.disk_capacities, "--disk-capacities")
+    )
+    for flag, value in (("--disk-policy", args.disk_policy), ("--disk-admit", args.disk_admit)):
+        if value is not None and not disk_capacities:
+            raise ValueError(f"{flag} {value!r} needs --disk-capacities")
+    if args.disk_policy is not None:
+        validate_policies([args.disk_policy])
+    fleet = _validate_fleet(args, policies, disk_capacities)
+    if disk_capacities and all(name.lower() == BELADY for name in policies):
+        raise ValueError(f"--policies {args.policies!r}: belady has no replay with a disk tier")
+    if args.device_blocks < 0:
+        raise ValueError(f"--device-blocks must be >= 0, got {args.device_blocks}")
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    trace = _load(args.source, args.block_size, args.seed)
+    block_bytes = trace.block_size * cost.kv_bytes_per_token
+    shared = [args.shared_capacity] if args.shared_capacity is not None else []
+    if shared and not in_fleet:
+        raise ValueError(f"--shared-capacity {args.shared_capacity!r} needs --replicas")
+    for flag, specs in (("--capacities", capacities), ("--disk-capacities", disk_capacities),
+                        ("--shared-capacity", shared)):  # fmt: skip
+        for spec in specs:  # fail on a bad capacity before any replay
+            try:
+                blocks = parse_capacity(spec, trace.unique_blocks(), block_bytes)
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+            if flag == "--shared-capacity" and blocks == 0:
+                raise ValueError(f"--shared-capacity {spec!r} holds no block (leave it out: no shared tier)")
+    return cost, policies, capacities, disk_capacities, trace, fleet
+
+
+def _flag_bytes(text: str, flag: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+def _load(source: str, block_size: int, seed: int):
+    path = Path(source)
+    if path.is_file():
+        return read_trace(path, block_size)
+    if source in WORKLOADS:
+        return builtin_workload(source, seed)
+    raise ValueError(
+        f"no such trace file or built-in workload: {source!r} (built-in: {', '.join(WORKLOADS)})"
+    )
