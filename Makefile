@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv test lint format demo bench clean redis-server vllm-releases
+.PHONY: venv test test-fast lint format demo bench clean redis-server vllm-releases
 
 venv: $(STAMP)
 
@@ -23,11 +23,15 @@ $(STAMP): pyproject.toml $(wildcard src/kvoffload/*/_*.c src/kvoffload/*/*/_*.c)
 	touch $(STAMP)
 
 test: venv redis-server vllm-releases
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+# The unit layer: no vLLM engine, no redis-server, nothing slow (about 1.5 minutes here).
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not vllm and not redis"
 
 # vLLM releases after the CPU build's 0.32 (GPU-only wheels): installed without their
 # dependencies beside the environment, each in a folder of its own, for
-# tests/test_vllm_versions.py to drive their schedulers with the connector.
+# tests/integrations/vllm/test_vllm_versions.py to drive their schedulers with the connector.
 VLLM_RELEASES ?= 0.33.0 0.34.0
 vllm-releases: venv
 	@for v in $(VLLM_RELEASES); do \

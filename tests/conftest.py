@@ -5,6 +5,11 @@ With ``CI`` set, a test or module that would skip because a dependency does not 
 extra is installed, so such a skip means a broken install step, not an optional feature.
 Skips for other reasons (e.g. the shared trace not beside the checkout) stay skips.
 
+Markers for the real services a test needs (``make test-fast`` leaves them out): a test
+is marked ``redis`` when it uses the ``redis_server`` fixture or its module can start a
+server itself (it imports ``RedisServer`` or ``RedisCluster``); vLLM tests carry ``vllm``
+in their modules, long ones ``slow``.
+
 A ``redis-server`` a test started and left running (it failed before stopping it) is
 stopped after the test, by its PID (``redis_server.stop_leftovers``).
 
@@ -87,3 +92,11 @@ def worker_side():
     yield make
     for side in made:
         side.metrics.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = getattr(item, "module", None)
+        starts_server = any(hasattr(module, name) for name in ("RedisServer", "RedisCluster"))
+        if starts_server or {"redis_server", "replicas"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.redis)

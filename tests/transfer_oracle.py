@@ -74,3 +74,24 @@ def three_group_layer_caches(num_blocks: int, gen: torch.Generator):
 
 def distinct(rng: np.random.Generator, limit: int, count: int) -> list[int]:
     return rng.choice(limit, size=count, replace=False).tolist()
+
+
+def make_pool(num_host: int = 16, f: int = 1, seed: int = 0) -> HostBlockPool:
+    """A host pool over the three-group test layout (4 tensors, 256..16 bytes per page), its
+    rows random (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    caches, groups = three_group_layer_caches(8, gen)
+    pool = HostBlockPool(KVLayout.from_layer_tensors(caches, groups), num_host, blocks_per_offload_block=f)
+    for t in pool.tensors:
+        randomize(t, gen)
+    return pool
+
+
+def pool_block_bytes(pool: HostBlockPool) -> int:
+    """Bytes of one host block of ``pool`` (a row of every tensor)."""
+    return sum(int(t.shape[1]) for t in pool.tensors)
+
+
+def host_block(pool: HostBlockPool, host_id: int) -> bytes:
+    """Host block ``host_id``'s bytes, tensor after tensor."""
+    return b"".join(t[host_id].numpy().tobytes() for t in pool.tensors)

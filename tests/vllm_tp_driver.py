@@ -1,5 +1,5 @@
 """Tensor parallelism (TP=2) end to end on vLLM's CPU build, in a process of its own
-(``tests/test_vllm_tp.py`` runs it): vLLM's multiprocessing executor needs this module's
+(``tests/integrations/vllm/test_vllm_tp.py`` runs it): vLLM's multiprocessing executor needs this module's
 ``__main__`` guard and ``VLLM_ENABLE_V1_MULTIPROCESSING=1``.
 
 ``python vllm_tp_driver.py MODEL ROOT_DIR REDIS_URL`` runs three engines one after the
@@ -79,7 +79,7 @@ def main(model: str, root: str, redis_url: str) -> None:
     from kvoffload.demo.offline import close_llm, greedy, kv_block_bytes, make_llm, word_text
     from kvoffload.tiers.fs.format import HEADER_FILE, RECORD_BYTES, parse_record
     from kvoffload.tiers.redis.format import KeyNames, redis_namespace
-    from test_vllm_connector import Subscriber
+    from vllm_events_sink import Subscriber
 
     block = kv_block_bytes(model)  # one block over both ranks; each holds half
     first, second = word_text(41, PROMPT), word_text(42, PROMPT)

@@ -30,7 +30,7 @@ from kvoffload.demo.offline import (  # noqa: E402
 from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 from kvoffload.faults import FaultInjectingWorker  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 BLOCK = 32  # tokens per engine block (one character is one token)
 REQUESTS = 1000

@@ -57,7 +57,7 @@ def bad_messages(seed: int) -> list[list[bytes]]:
     for payload in bad_payloads(rng):
         # A sequence frame of the right size: noise, the largest numbers, or one the
         # stream has already passed (OLD). Never the next expected one: a bad payload
-        # under that number is taken as that batch, corrupted (tests/test_events_pubsub.py).
+        # under that number is taken as that batch, corrupted (tests/events/test_events_pubsub.py).
         seq = rng.choice([OLD, rng.randrange(2**64).to_bytes(8, "big"), (2**64 - 2).to_bytes(8, "big")])
         messages.append([b"", seq, payload])
     for _ in range(60):  # wrong frame counts, wrong sequence-frame sizes

@@ -42,7 +42,7 @@ EVENT_MODES = ("self_describing", "placeholder")
 # tier medium -> (wire medium, locality, ownership); media not listed go out unchanged
 WIRE_TIERS: dict[str, tuple[str, str | None, str | None]] = {
     # no ownership: as vLLM 0.32's own fs tier sends them (and as Dynamo's indexer, which
-    # drops events that carry one, indexes them: tests/test_dynamo_tiers.py)
+    # drops events that carry one, indexes them: tests/index/test_dynamo_tiers.py)
     "DISK": ("STORAGE", "LOCAL", None),
     "REMOTE": ("STORAGE", "REMOTE", "redis"),
 }

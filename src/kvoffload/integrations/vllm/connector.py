@@ -45,7 +45,7 @@ from kvoffload.integrations.vllm.worker_side import WorkerSide
 logger = logging.getLogger(__name__)
 
 
-# vLLM releases the connector is tested with (tests/test_vllm_versions.py, and the CPU
+# vLLM releases the connector is tested with (tests/integrations/vllm/test_vllm_versions.py, and the CPU
 # build's engine end to end for 0.32)
 TESTED_VLLM = ("0.32", "0.33", "0.34")
 
