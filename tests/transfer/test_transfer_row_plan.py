@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvoffload.transfer import row_plan
 from kvoffload.transfer.copy_pool import CopyPool
-from kvoffload.transfer.row_plan import apply_unit, plan_copies, plan_runs
+from kvoffload.transfer.row_plan import apply_unit, plan_copies, plan_runs, source
 
 ROWS = 40
 
@@ -121,6 +122,51 @@ def test_plans_work_on_strided_rows():
         apply_unit(src, dst, unit)
     before[dst_rows, :4] = src[src_rows]
     np.testing.assert_array_equal(dst_base, before)  # padding columns untouched
+
+
+def test_source_view_is_the_same_memory_as_contiguous_pages():
+    # One layer of a block-interleaved pool: rows a whole block (3 widths) apart.
+    base = np.arange(ROWS * 3 * 4, dtype=np.int64).reshape(ROWS, 3, 4)
+    rows = base[:, 1, :]
+    src = source(rows)
+    assert src.pages is not None and src.pages.flags.c_contiguous and src.step == 3
+    np.testing.assert_array_equal(src.pages[np.arange(ROWS) * 3], rows)
+    assert np.shares_memory(src.pages, base)
+    # from the first row's first byte to the last row's last byte, nothing beyond
+    assert src.pages.ctypes.data == rows.ctypes.data
+    assert src.pages.ctypes.data + src.pages.nbytes == rows[-1].ctypes.data + rows[-1].nbytes
+    contiguous = np.zeros((ROWS, 4), dtype=np.int64)
+    assert source(contiguous).pages is contiguous
+    assert source(np.zeros((ROWS, 6), dtype=np.int64)[:, :4]).pages is None  # padded: no such view
+
+
+@pytest.mark.parametrize("width", [4, row_plan.ROW_COPY_BYTES // 8])  # below and at the per-row size
+@pytest.mark.parametrize("src_layers", [1, 3])
+@pytest.mark.parametrize("dst_layers", [1, 3])
+def test_gathers_between_strided_rows_are_exact_and_never_copy_the_source(
+    width, src_layers, dst_layers, monkeypatch
+):
+    """np.take copies a source that is not C-contiguous whole before gathering (the
+    numpy copier's cliff: a load from an interleaved pool copied the pool per call)."""
+    rng = np.random.default_rng(width + src_layers)
+    src_base = rng.integers(0, 2**62, (ROWS, src_layers, width), dtype=np.int64)
+    dst_base = rng.integers(0, 2**62, (ROWS, dst_layers, width), dtype=np.int64)
+    src, dst = src_base[:, -1, :], dst_base[:, 0, :]
+    want = dst_base.copy()
+    src_rows, dst_rows = np.array([9, 2, 30, 4, 17, 11, 0, 25]), np.arange(8, 16)
+    want[dst_rows, 0, :] = src[src_rows]
+    real_take = np.take
+
+    def take(a, *args, **kwargs):
+        assert a.flags.c_contiguous, "np.take would copy the whole source first"
+        return real_take(a, *args, **kwargs)
+
+    monkeypatch.setattr(np, "take", take)
+    units = plan_copies(src_rows, dst_rows, 8)
+    assert _kinds(units) == {"gather"}
+    for unit in units:
+        apply_unit(source(src), dst, unit)
+    np.testing.assert_array_equal(dst_base, want)  # other layers' rows untouched
 
 
 def test_plan_rejects_mismatched_rows():

@@ -26,6 +26,9 @@ row arrays, so a per-layer layout plans once per group, not once per layer. Two 
   that divides the page. On one thread numpy's ``take`` and fancy assignment copied
   64-128 KiB rows at contiguous-copy speed, where ``index_copy_`` reached about half of
   it; and torch ops above its grain size enter its intra-op pool (see ``copy_pool``).
+  Gathers read a C-contiguous view of the source (``row_plan.source``, built once per
+  tensor and job): given the strided rows of an interleaved host pool, ``np.take`` would
+  copy the whole pool tensor per call (``row_plan``, "Strided rows").
 
 Freed memory: a tensor whose storage was released or shrunk (e.g. the engine tore its KV
 cache down) fails every job that starts afterwards, instead of being read or written
@@ -49,7 +52,7 @@ from kvoffload.transfer.copy_pool import CopyPool
 from kvoffload.transfer.executor import Piece
 from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
-from kvoffload.transfer.row_plan import Unit, apply_unit, plan_copies, plan_runs
+from kvoffload.transfer.row_plan import Source, Unit, apply_unit, plan_copies, plan_runs, source
 from kvoffload.validation import positive_int
 
 _OP_BYTES = 256 << 10  # largest single copy; see row_plan on glibc's memcpy
@@ -208,7 +211,7 @@ class CPUExecutor:
 
     def _run_numpy(self, store: bool, pieces: Sequence[Piece]) -> None:
         plans: dict[tuple[int, int, int], list[Unit]] = {}
-        tasks: list[tuple[np.ndarray, np.ndarray, Unit]] = []
+        tasks: list[tuple[Source, np.ndarray, Unit]] = []
         for tensor, device_rows, host_rows in pieces:
             src_rows, dst_rows = (device_rows, host_rows) if store else (host_rows, device_rows)
             page = self.layout.page_bytes(tensor)
@@ -221,7 +224,8 @@ class CPUExecutor:
             # kept alive or read after free.
             device, host = self._views(tensor)
             src, dst = (device, host) if store else (host, device)
-            tasks.extend((src, dst, unit) for unit in plans[key])
+            rows = source(src)  # its contiguous view for gathers, made once per tensor
+            tasks.extend((rows, dst, unit) for unit in plans[key])
         self._copies.run(tasks, apply_unit)
 
     def _views(self, tensor: int) -> tuple[np.ndarray, np.ndarray]:

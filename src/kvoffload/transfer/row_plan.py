@@ -28,11 +28,39 @@ machine holds back little), large enough that Python overhead stays small. The o
 exists because a slice copy is one ``memcpy``, and glibc's ``memcpy`` switched to a
 slower strategy for 1 MiB copies on the machine we measured (9.7 GB/s on one thread,
 against 12-14 GB/s for 256-512 KiB copies).
+
+Strided rows. The arrays are often views whose rows sit further apart than their width:
+a tensor's rows in a block-interleaved host pool are a whole block apart, a device
+tensor may interleave K and V. ``np.take`` copies any source that is not C-contiguous
+into a contiguous temporary first, *all* of it, whatever the index: a gather from one
+layer of the host pool copied the layer's whole pool per operation (a 64-row load
+scattered on both sides ran at 0.02-0.05 of a contiguous copy whenever its plan
+gathered, ``bench/bench_transfer.py``, numpy copier, issue 29). So ``apply_unit``
+gathers from ``Source.pages``: the same memory viewed as C-contiguous rows of the same
+width, source row ``i`` being page ``i * step`` (where rows are a whole number of widths
+apart, as in an interleaved pool whose tensors share one page size). ``np.take`` into a
+destination that is not C-contiguous goes through a temporary too (three passes: read
+the destination, gather, write back); such gathers copy row by row when a row is at
+least ``ROW_COPY_BYTES`` (one ``memcpy`` per Python call), otherwise through fancy
+indexing (gather into a temporary, then one strided copy), as do gathers from rows no
+contiguous view covers. Scatters (fancy assignment) and slice copies work in place on
+any strides.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+# Gathers into strided rows of at least this many bytes copy one row per call. On one
+# thread, cache-warm: 64 KiB rows 19 GB/s, against 13 through a temporary and 8.5 with
+# np.take's own; 4 KiB rows 3, 8 and 5 GB/s. A whole store job on two threads (fresh host
+# ids, an interleaved pool): 64-128 KiB pages 0.75-1.05 of a contiguous copy row by row,
+# against 0.65-0.9 through a temporary and 0.6-0.8 with np.take's; 32 KiB pages row by
+# row fell to 0.35-0.5 on an idle machine (a GIL hand-over per row) against 0.7-0.85.
+ROW_COPY_BYTES = 64 << 10
 
 # One operation: (source key, destination key). A key is a slice of rows or an int64
 # array of row ids; at most one side is an array.
@@ -107,17 +135,57 @@ def plan_copies(
     return units
 
 
-def apply_unit(src: np.ndarray, dst: np.ndarray, unit: Unit) -> None:
-    """Run one unit on 2-D arrays of rows. numpy releases the GIL while it copies, so
-    units on different threads copy in parallel; it never starts threads of its own."""
+class Source(NamedTuple):
+    """Rows to copy from: ``rows`` (2-D) and, where one exists, ``pages``, a C-contiguous
+    view of the same memory in which ``rows[i]`` is ``pages[i * step]`` (``None``
+    otherwise). Build with ``source``."""
+
+    rows: np.ndarray
+    pages: np.ndarray | None
+    step: int
+
+
+def source(rows: np.ndarray) -> Source:
+    """``rows`` with a C-contiguous view for gathers (see the module's "Strided rows"):
+    possible when each row is contiguous and rows are a positive whole number of row
+    widths apart. The view spans only memory between ``rows``' first and last byte."""
+    if rows.flags.c_contiguous:
+        return Source(rows, rows, 1)
+    count, width = rows.shape
+    row_bytes, (row_step, item_step) = width * rows.itemsize, rows.strides
+    if count and row_bytes and item_step == rows.itemsize and row_step > 0 and not row_step % row_bytes:
+        step = row_step // row_bytes
+        pages = as_strided(rows, ((count - 1) * step + 1, width), (row_bytes, rows.itemsize), writeable=False)
+        return Source(rows, pages, step)
+    return Source(rows, None, 1)
+
+
+def apply_unit(src: np.ndarray | Source, dst: np.ndarray, unit: Unit) -> None:
+    """Run one unit on 2-D arrays of rows (``src`` also as a ``Source``, built once for
+    many units). numpy releases the GIL while it copies, so units on different threads
+    copy in parallel; it never starts threads of its own."""
+    if not isinstance(src, Source):
+        src = source(src)
     for s, d in unit:
         if isinstance(s, np.ndarray):
-            # mode="clip" skips the bounds check (ids were checked at submit); with the
-            # default mode="raise", numpy copies through a temporary buffer whenever
-            # ``out`` is given, which made gathers 3-5x slower.
-            np.take(src, s, axis=0, out=dst[d], mode="clip")
+            _gather(src, s, dst[d])
         else:
-            dst[d] = src[s]
+            dst[d] = src.rows[s]
+
+
+def _gather(src: Source, index: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = src.rows[index[i]]`` for every ``i``, never copying more of the source
+    than those rows (see the module's "Strided rows")."""
+    if src.pages is not None and out.flags.c_contiguous:
+        # mode="clip" skips the bounds check (ids were checked at submit); with the
+        # default mode="raise", numpy copies through a temporary buffer whenever
+        # ``out`` is given, which made gathers 3-5x slower.
+        np.take(src.pages, index * src.step if src.step != 1 else index, axis=0, out=out, mode="clip")
+    elif out.shape[1] * out.itemsize >= ROW_COPY_BYTES:
+        for i, row in enumerate(index.tolist()):
+            out[i] = src.rows[row]
+    else:
+        out[...] = src.rows[index]
 
 
 # One unit of runs: (first source row, first destination row, rows) per run, int64 arrays.
