@@ -230,6 +230,10 @@ def test_cli_fleet_end_to_end(tmp_path, capsys, monkeypatch):
         (["--replicas", "2", "--shared-capacity", "lots"], "--shared-capacity"),
         (["--replicas", "2", "--shared-capacity", "0"], "--shared-capacity '0' holds no block"),
         (["--replicas", "2", "--shared-capacity", "10%", "--remote-bandwidth", "fast"], "--remote-bandwidth"),
+        (["--shared-segment", "5%"], "--shared-segment '5%' needs --replicas"),
+        (["--replicas", "2", "--shared-segment", "0"], "--shared-segment '0' holds no block"),
+        (["--replicas", "2", "--shared-segment", "-3"], "--shared-segment"),
+        (["--replicas", "2", "--shared-segment", "5%", "--shared-capacity", "9%"], "give one"),
     ],
 )
 def test_cli_bad_fleet_values_are_named(tmp_path, flags, named):
@@ -266,3 +270,28 @@ def test_shared_tier_replica_promotes_into_its_host_tier_and_writes_through():
     assert all(shared.lookup(k).name == "HIT" for k in keys)
     assert b.serve(keys) == (0, 0, 4, 4, 0)  # b finds all four below and promotes them
     assert b.serve(keys) == (0, 4, 0, 0, 0)  # now its own host tier has them
+
+
+def test_cli_shared_segments_make_a_store_of_every_replicas_memory(tmp_path, capsys):
+    """``--shared-segment S`` (Mooncake Store: each engine contributes a segment) is the same
+    replay as ``--shared-capacity`` of replicas x S blocks, and the report says which."""
+    path = tmp_path / "chat.jsonl"
+    write_trace(path, multi_turn_chat(ChatWorkload(conversations=40, seed=5, block_size=512)))
+    rows = {}
+    for name, flags in (("segment", ["--shared-segment", "7"]), ("total", ["--shared-capacity", "21"])):
+        out_csv = tmp_path / f"{name}.csv"
+        rc = main(
+            ["sim", str(path), "--replicas", "3", "--routing", "round_robin", "--policies", "lru",
+             "--capacities", "5", "--device-blocks", "20", "--remote-bandwidth", "20GB",
+             "--csv", str(out_csv), "--png", str(tmp_path / f"{name}.png"), "--no-progress", *flags]
+        )  # fmt: skip
+        assert rc == 0
+        printed = capsys.readouterr().out
+        rows[name] = next(csv.DictReader(out_csv.open()))
+        assert "read at 20.0 GB/s" in printed
+        assert ("3 segments of 7 (21 blocks)" in printed) == (name == "segment")
+    assert float(rows["segment"]["shared_hit_ratio"]) > 0
+    timing = ("replay_s", "requests_per_second")
+    assert {k: v for k, v in rows["segment"].items() if k not in timing} == {
+        k: v for k, v in rows["total"].items() if k not in timing
+    }

@@ -143,8 +143,11 @@ def _run_fleet(args, trace, cost, policies, capacities, fleet: dict, title: str,
         f"kv_aware guard at max/mean load > {fleet['balance_threshold']:g}"
     )
     if args.shared_capacity is not None:
+        size = args.shared_capacity
+        if args.shared_segment is not None:
+            size = f"{args.replicas} segments of {args.shared_segment}"
         print(
-            f"a shared tier of {args.shared_capacity} ({rows[0].shared_blocks:,} blocks) under every "
+            f"a shared tier of {size} ({rows[0].shared_blocks:,} blocks) under every "
             f"host tier, read at {cost.remote_bandwidth_bytes_per_s / 1e9:,.1f} GB/s"
         )
     print(f"{link}{cost.kv_bytes_per_token:,} KV bytes/token; stores overlap compute and are not charged")

@@ -69,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sized for the whole fleet in the forms of --capacities (default: none)",
     )
     p.add_argument(
+        "--shared-segment",
+        default=None,
+        help="with --replicas, instead of --shared-capacity: a shared store built from memory every "
+        "replica contributes (Mooncake Store: each engine's segment), this much per replica in the forms "
+        "of --capacities; the shared tier holds replicas x this (default: none)",
+    )
+    p.add_argument(
         "--remote-bandwidth",
         default="3GB",
         help="shared-tier-to-host bytes per second, e.g. '3GB' (default 3GB; with --shared-capacity)",
@@ -250,17 +257,26 @@ def validate(args: argparse.Namespace):
     trace = _load(args.source, args.block_size, args.seed)
     block_bytes = trace.block_size * cost.kv_bytes_per_token
     shared = [args.shared_capacity] if args.shared_capacity is not None else []
-    if shared and not in_fleet:
-        raise ValueError(f"--shared-capacity {args.shared_capacity!r} needs --replicas")
+    segment = [args.shared_segment] if args.shared_segment is not None else []
+    if shared and segment:
+        raise ValueError(
+            f"--shared-segment {args.shared_segment!r} and --shared-capacity {args.shared_capacity!r}: "
+            "give one (a segment per replica, or the store's total)"
+        )
+    for flag, given in (("--shared-capacity", shared), ("--shared-segment", segment)):
+        if given and not in_fleet:
+            raise ValueError(f"{flag} {given[0]!r} needs --replicas")
     for flag, specs in (("--capacities", capacities), ("--disk-capacities", disk_capacities),
-                        ("--shared-capacity", shared)):  # fmt: skip
+                        ("--shared-capacity", shared), ("--shared-segment", segment)):  # fmt: skip
         for spec in specs:  # fail on a bad capacity before any replay
             try:
                 blocks = parse_capacity(spec, trace.unique_blocks(), block_bytes)
             except ValueError as exc:
                 raise ValueError(f"{flag}: {exc}") from None
-            if flag == "--shared-capacity" and blocks == 0:
-                raise ValueError(f"--shared-capacity {spec!r} holds no block (leave it out: no shared tier)")
+            if flag in ("--shared-capacity", "--shared-segment") and blocks == 0:
+                raise ValueError(f"{flag} {spec!r} holds no block (leave it out: no shared tier)")
+            if flag == "--shared-segment":  # the store is every replica's segment together
+                args.shared_capacity = str(blocks * args.replicas)
     return cost, policies, capacities, disk_capacities, trace, fleet
 
 
