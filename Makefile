@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv test test-fast lint format demo bench clean redis-server vllm-releases
+.PHONY: venv test test-fast lint format demo bench clean redis-server mooncake-libs vllm-releases
 
 venv: $(STAMP)
 
@@ -18,11 +18,11 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(wildcard src/kvoffload/*/_*.c src/kvoffload/*/*/_*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,plot,vllm,redis,index]"
+	$(PY) -m pip install -q -e ".[test,plot,vllm,redis,index,mooncake]"
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
-test: venv redis-server vllm-releases
+test: venv redis-server mooncake-libs vllm-releases
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 # The unit layer: no vLLM engine, no redis-server, nothing slow (about 1.5 minutes here).
@@ -45,6 +45,15 @@ redis-server:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "make test needs redis-server: install the Debian package redis-server (as root)"; exit 1; fi; }
+
+# The Mooncake tier's wheel links libibverbs (Debian libibverbs1, with libnl-3-200 and
+# libnl-route-3-200) even over TCP; its tests start their own mooncake_master.
+mooncake-libs:
+	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    { apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null 2>&1 || \
+	      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null; }; }; \
+	  else echo "make test needs libibverbs1 (Debian packages libibverbs1 libnl-3-200 libnl-route-3-200, as root)"; exit 1; fi; }
 
 # ruff checks and formats with one configuration (pyproject.toml, line length 110).
 lint: venv

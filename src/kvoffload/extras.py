@@ -16,6 +16,7 @@ EXTRAS = {
     "torch": ("torch",),  # the transfer engine (worker side)
     "vllm": ("vllm", "torch"),  # the vLLM connector
     "redis": ("redis",),  # the shared Redis/Valkey tier
+    "mooncake": ("mooncake",),  # the shared Mooncake Store tier
     "index": ("aiohttp",),  # the index's HTTP service
     "plot": ("matplotlib",),  # the simulator's plots
 }
