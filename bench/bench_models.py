@@ -96,6 +96,9 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 
 WAYS = ("no offloading", "vLLM connector", "kvoffload")
+# --ideal: an engine without a connector whose cache keeps every conversation, the bound no
+# connector can beat (every reloaded token is already on the device, nothing is copied)
+IDEAL = "engine cache for all"
 SPEC_NAME = "HostCopyOffloadingSpec"
 
 
@@ -266,6 +269,8 @@ class Engine:
             extra["kv_transfer_config"] = vllm_connector_config(cpu_bytes)
         elif way == "kvoffload":
             kvoffload = {"cpu_bytes_to_use": cpu_bytes, **json.loads(args.kvoffload_extra)}
+        elif way == IDEAL:  # room for every conversation (each fits in `blocks`) and the warm-up
+            blocks = blocks * (args.conversations + 2)
         _slot(None)  # vLLM installs a worker connector only into an empty slot
         try:
             self.llm = make_llm(
@@ -279,14 +284,15 @@ class Engine:
             self.connector = kv_transfer_state._KV_CONNECTOR_AGENT
         finally:
             _slot(None)
-        if (self.connector is None) != (way == "no offloading"):
+        connected = way in ("vLLM connector", "kvoffload")
+        if (self.connector is None) == connected:
             self.close()
             raise RuntimeError(f"{way}: unexpected worker connector {self.connector!r}")
         # Tokens vLLM's scheduler takes from the connector: update_state_after_alloc's
         # num_external_tokens, for both connectors alike.
         self.reloaded = 0
         self._own = None
-        if way != "no offloading":
+        if connected:
             sched = scheduler_connector(self.llm)
             original = sched.update_state_after_alloc
 
@@ -348,7 +354,7 @@ class Engine:
 def run_model(
     model: str, family: str, args: argparse.Namespace, blocks: int, stats: dict[str, Stats]
 ) -> None:
-    """``args.reps`` repetitions of the workload on the three ways' engines, side by side:
+    """``args.reps`` repetitions of the workload on the ways' engines (``stats``), side by side:
     fresh engines per repetition, every request served by the three in turn (the order
     rotates from one request to the next and between repetitions)."""
     from vllm import SamplingParams
@@ -367,10 +373,11 @@ def run_model(
     system, users = _workload(cfg)
     params = SamplingParams(temperature=0, max_tokens=cfg.answer_tokens, ignore_eos=True)
     warm = word_text(10_000 + args.seed, len(system) + cfg.turns * cfg.user_tokens)
+    ways = tuple(stats)
     for rep in range(args.reps):
         engines: dict[str, Engine] = {}
         try:
-            for way in WAYS[rep % 3 :] + WAYS[: rep % 3]:
+            for way in ways[rep % len(ways) :] + ways[: rep % len(ways)]:
                 if stats[way].error:
                     continue
                 try:
@@ -385,8 +392,8 @@ def run_model(
             i = 0
             for t in range(cfg.turns):
                 for c in range(cfg.conversations):
-                    k = (i + rep) % 3
-                    for way in WAYS[k:] + WAYS[:k]:
+                    k = (i + rep) % len(ways)
+                    for way in ways[k:] + ways[:k]:
                         engine = engines.get(way)
                         if engine is None or stats[way].error:
                             continue
@@ -526,6 +533,25 @@ def report(family: str, dtype: str, described: str, blocks: int, stats: dict[str
                 f"{_ratio(computed, base_computed)}, reloaded {s.total('reloaded') / s.total('prompt'):.1%} "
                 "of the prompt tokens"
             )
+    ideal = ok.get(IDEAL)
+    if ideal:
+        n = len(ideal.runs)
+        lines.append(
+            f"{IDEAL} (the bound), absolute: TTFT total {ideal.total('ttft_s') / n:.3f} s per run, "
+            f"median {_median_ms(ideal):.1f} ms, {ideal.total('engine_cached') / n:.0f} tokens from its cache"
+        )
+        for s, way in ((vc, "vLLM connector"), (kv, "kvoffload")):
+            if s is not None:
+                runs = " / ".join(f"{a / b:.3f}" for a, b in zip(_run_ttft(s), _run_ttft(ideal)))
+                lines.append(
+                    f"{way} / {IDEAL}: TTFT total {_ratio(s.total('ttft_s'), ideal.total('ttft_s'))} "
+                    f"(per repetition {runs}), median per-request ratio {_paired(s, ideal):.3f}"
+                )
+        if vc:
+            lines.append(
+                f"the lowest TTFT total any connector can reach against vLLM's here: "
+                f"{_ratio(ideal.total('ttft_s'), vc.total('ttft_s'))} ({IDEAL} / vLLM connector)"
+            )
     return lines
 
 
@@ -552,6 +578,9 @@ def main() -> int:
     )
     parser.add_argument("--zoo-dir", default=".cache/zoo")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ideal", action="store_true", help=f"a fourth way, '{IDEAL}': the bound no connector can beat"
+    )
     args = parser.parse_args()
 
     from kvoffload.demo.tiny_zoo import build_tiny_model, engine_args
@@ -580,7 +609,7 @@ def main() -> int:
     summary: list[str] = []
     for family in families:
         model_started = time.perf_counter()
-        stats = {way: Stats() for way in WAYS}
+        stats = {way: Stats() for way in WAYS + ((IDEAL,) if args.ideal else ())}
         try:
             model = str(build_tiny_model(os.path.join(args.zoo_dir, family), family))
             blocks, described = engine_blocks_for(model, family, args)
