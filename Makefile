@@ -25,9 +25,9 @@ $(STAMP): pyproject.toml $(wildcard src/kvoffload/*/_*.c src/kvoffload/*/*/_*.c)
 test: venv redis-server mooncake-libs vllm-releases
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
-# The unit layer: no vLLM engine, no redis-server, nothing slow (about 1.5 minutes here).
+# The unit layer: no vLLM engine, no redis-server or Mooncake master, nothing slow (about 1.5 minutes here).
 test-fast: venv
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not vllm and not redis"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not vllm and not redis and not mooncake"
 
 # vLLM releases after the CPU build's 0.32 (GPU-only wheels): installed without their
 # dependencies beside the environment, each in a folder of its own, for

@@ -6,7 +6,7 @@
 Each table lies between marker comments, ``<!-- keys:NAME -->`` and ``<!-- /keys:NAME -->``;
 only the text between them is rewritten. ``NAME`` is one of ``TABLES``: the connector's
 extra config (``kvoffload.integrations.vllm.config.EXTRA_CONFIG``, needs vLLM installed) and
-each built-in tier type's entry (``FS_KEYS``, ``REDIS_KEYS``). ``tests`` checks that
+each built-in tier type's entry (``FS_KEYS``, ``REDIS_KEYS``, ``MOONCAKE_KEYS``). ``tests`` checks that
 README.md is what this script writes.
 """
 
@@ -46,7 +46,18 @@ def _redis() -> str:
     return REDIS_KEYS.markdown('`"type": "redis"` key')
 
 
-TABLES: dict[str, Callable[[], str]] = {"connector": _connector, "fs": _fs, "redis": _redis}
+def _mooncake() -> str:
+    from kvoffload.tiers.mooncake.tier import MOONCAKE_KEYS
+
+    return MOONCAKE_KEYS.markdown('`"type": "mooncake"` key')
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "connector": _connector,
+    "fs": _fs,
+    "redis": _redis,
+    "mooncake": _mooncake,
+}
 
 
 def render(readme: str) -> str:

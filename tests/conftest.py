@@ -11,7 +11,10 @@ server itself (it imports ``RedisServer`` or ``RedisCluster``); vLLM tests carry
 in their modules, long ones ``slow``.
 
 A ``redis-server`` a test started and left running (it failed before stopping it) is
-stopped after the test, by its PID (``redis_server.stop_leftovers``).
+stopped after the test, by its PID (``redis_server.stop_leftovers``); so are a Mooncake
+store's processes (``mooncake_server.stop_leftovers``). Tests that start one carry the
+``mooncake`` marker (their module imports ``MooncakeServer`` or they use the
+``mooncake_server`` fixture).
 
 vLLM runs in-process and offline in every test (set here, before any test module imports
 it: the engine starts in about 12 s instead of 28 s); ``tiny_llama`` is the tiny random
@@ -75,6 +78,15 @@ def _no_redis_server_outlives_its_test():
     stop_leftovers()
 
 
+@pytest.fixture(autouse=True)
+def _no_mooncake_server_outlives_its_test():
+    yield
+    import sys
+
+    if "mooncake_server" in sys.modules:  # only where a test used it
+        sys.modules["mooncake_server"].stop_leftovers()
+
+
 @pytest.fixture
 def worker_side():
     """Makes vLLM worker halves (``WorkerSide(...)``) and unregisters each one's metrics
@@ -100,3 +112,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         starts_server = any(hasattr(module, name) for name in ("RedisServer", "RedisCluster"))
         if starts_server or {"redis_server", "replicas"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.redis)
+        if hasattr(module, "MooncakeServer") or "mooncake_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.mooncake)

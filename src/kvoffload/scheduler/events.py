@@ -24,7 +24,8 @@ self-described too; it is dropped when the primary drops the key. A key announce
 record (e.g. a block promoted from below after a restart) gets the placeholder form.
 Secondary media go on the wire as vLLM 0.32 names them (``WIRE_TIERS``): the local-disk
 tier is ``medium="STORAGE"``, ``locality="LOCAL"`` (no ownership); the shared Redis tier
-``medium="STORAGE"``, ``locality="REMOTE"``, ``ownership="redis"``.
+``medium="STORAGE"``, ``locality="REMOTE"``, ``ownership="redis"``; the Mooncake tier the same
+with ``ownership="mooncake"``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ WIRE_TIERS: dict[str, tuple[str, str | None, str | None]] = {
     # drops events that carry one, indexes them: tests/index/test_dynamo_tiers.py)
     "DISK": ("STORAGE", "LOCAL", None),
     "REMOTE": ("STORAGE", "REMOTE", "redis"),
+    "MOONCAKE": ("STORAGE", "REMOTE", "mooncake"),
 }
 
 

@@ -35,7 +35,11 @@ if TYPE_CHECKING:
     from kvoffload.transfer.host_pool import HostBlockPool
 
 # name -> "module:Class", imported on use so that a tier's dependencies load only when used
-_BUILTIN = {"fs": "kvoffload.tiers.fs.tier:FSTierType", "redis": "kvoffload.tiers.redis.tier:RedisTierType"}
+_BUILTIN = {
+    "fs": "kvoffload.tiers.fs.tier:FSTierType",
+    "redis": "kvoffload.tiers.redis.tier:RedisTierType",
+    "mooncake": "kvoffload.tiers.mooncake.tier:MooncakeTierType",
+}
 
 
 @dataclass(frozen=True)
