@@ -2,7 +2,9 @@
 
 * ``MooncakeOffloadingManager`` (``manager``): scheduler-side index of the blocks believed
   present; asks the master only through ``MooncakeLookups`` (``lookups``), off the
-  scheduler thread.
+  scheduler thread. What they share with the Redis tier lives in
+  ``kvoffload.tiers.shared_store_manager`` and ``shared_store_lookups`` (and the entry's
+  common part in ``shared_store_tier``); these modules hold what Mooncake does differently.
 * ``MooncakeWorker`` (``worker``): host pool <-> store jobs, batched, zero-copy through
   registered memory.
 * ``store``: ``MooncakeStore``, the one owner of a native client (breaker, refusal after

@@ -17,10 +17,9 @@ block only when every rank's object exists, and its byte budget counts every ran
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from kvoffload.manager import OffloadingManager
 from kvoffload.settings import (
     NON_NEGATIVE_INT,
     POSITIVE_INT,
@@ -32,9 +31,14 @@ from kvoffload.settings import (
     text,
 )
 from kvoffload.tiers.mooncake.store import ClientSettings, MooncakeStore
-from kvoffload.tiers.redis.format import KeyNames, redis_namespace, value_bytes
-from kvoffload.tiers.secondary import SecondaryTierType, TierContext
+from kvoffload.tiers.redis.format import KeyNames
+from kvoffload.tiers.secondary import TierContext
+from kvoffload.tiers.shared_store_tier import MAX_INDEX_BLOCKS, NAME, PROBE_TIMEOUT, SharedStoreTierType
 from kvoffload.worker import OffloadingWorker
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.mooncake.lookups import MooncakeLookups
+    from kvoffload.tiers.mooncake.manager import MooncakeOffloadingManager
 
 
 def _address(value: str) -> bool:
@@ -45,9 +49,6 @@ def _address(value: str) -> bool:
 _ADDRESS = text("`host:port`", "be 'host:port' with a port in [1, 65535]", _address)
 _URL = text(
     "`http://host:port/metadata`", "be an http:// URL", lambda v: re.fullmatch(r"http://\S+", v) is not None
-)
-_NAME = text(
-    "name", "be a non-empty name without spaces or ':'", lambda v: v != "" and not set(v) & set(" :\n\r\0")
 )
 _HOST = text(
     "host name or address", "be a host name or address", lambda v: re.fullmatch(r"[^\s:/]+", v) is not None
@@ -76,8 +77,8 @@ MOONCAKE_KEYS = Schema((
         "share counted); the blocks it wrote are removed when its index evicts them. Without it the index "
         "holds up to `max_index_blocks` blocks, nothing is removed, and the store's own eviction bounds it",
         shown_default="none"),
-    Key("max_index_blocks", POSITIVE_INT, 1_000_000, "blocks the local index tracks without `bytes_to_use`"),
-    Key("namespace", _NAME, "kvoffload",
+    MAX_INDEX_BLOCKS,
+    Key("namespace", NAME, "kvoffload",
         "the first part of every object name, to keep kvoffload's objects (or one deployment's) apart in a "
         "shared store; the layout namespace derived from the blocks' identity follows it"),
     Key("io_threads", POSITIVE_INT, 2, "the worker's threads (each with its own batches in flight)"),
@@ -86,7 +87,7 @@ MOONCAKE_KEYS = Schema((
         "bound of the TCP check that the master answers before a client is set up (Mooncake's own setup "
         "retries for about 90 s against a dead master, so it runs only after this check, off the engine's "
         "threads)"),
-    Key("probe_timeout_s", POSITIVE_SECONDS, 1.0, "a lookup still unanswered after this is a miss"),
+    PROBE_TIMEOUT,
     Key("reconcile_interval_s", POSITIVE_SECONDS, 30.0,
         "how often the index is checked against the store (its evictions; it sends no notifications)"),
     Key("retry_max_s", POSITIVE_SECONDS, 10.0,
@@ -96,12 +97,17 @@ MOONCAKE_KEYS = Schema((
    missing="the mooncake tier needs {key!r}{hint}")  # fmt: skip
 
 
-class MooncakeTierType(SecondaryTierType):
+class MooncakeTierType(SharedStoreTierType):
     type_name = "mooncake"
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         """``options``: every key of ``MOONCAKE_KEYS``, parsed (and checked together)."""
         self.options = dict(options)
+        self.prefix: str = options["namespace"]
+        self.bytes_to_use: int | None = options["bytes_to_use"]
+        self.max_index_blocks: int = options["max_index_blocks"]
+        self.probe_timeout: float = options["probe_timeout_s"]
+        self.reconcile_interval: float = options["reconcile_interval_s"]
         metadata = options["metadata_server"] if options["metadata"] == "http" else "P2PHANDSHAKE"
         self.client = ClientSettings(
             master=options["master"],
@@ -126,38 +132,21 @@ class MooncakeTierType(SecondaryTierType):
             )
         return cls(values)
 
-    def _names(self, context: TierContext, rank: int | None = None) -> KeyNames:
-        return KeyNames(self.options["namespace"], redis_namespace(context.rank_identity(rank)))
-
     def _store(self, side: str, segment_bytes: int) -> MooncakeStore:
         settings = ClientSettings(**{**self.client.__dict__, "segment_bytes": segment_bytes})
         retry = self.options["retry_max_s"]
         return MooncakeStore(settings, f"mooncake tier {self.client.master} ({side})",
                              retry=min(2.0, retry), max_delay=retry)  # fmt: skip
 
-    def build_manager(self, context: TierContext, eviction_policy: str) -> OffloadingManager:
-        from kvoffload.tiers.mooncake.lookups import MooncakeLookups
+    def _manager_type(self) -> type[MooncakeOffloadingManager]:
         from kvoffload.tiers.mooncake.manager import MooncakeOffloadingManager
 
-        per_block = value_bytes(context.block_bytes) * context.world_size  # every rank's share
-        budget = self.options["bytes_to_use"]
-        if budget is not None:
-            capacity = budget // per_block
-            if capacity == 0:
-                raise ValueError(f"bytes_to_use={budget} holds no block ({per_block} bytes each)")
-        else:
-            capacity = self.options["max_index_blocks"]
-        names = [self._names(context, rank) for rank in range(context.world_size)]
-        lookups = MooncakeLookups(self._store("lookups", 0), names)
-        return MooncakeOffloadingManager(
-            lookups,
-            capacity,
-            eviction_policy,
-            enable_events=True,
-            delete_on_evict=budget is not None,
-            probe_timeout=self.options["probe_timeout_s"],
-            reconcile_interval=self.options["reconcile_interval_s"],
-        )
+        return MooncakeOffloadingManager
+
+    def _lookups(self, names: Sequence[KeyNames]) -> MooncakeLookups:
+        from kvoffload.tiers.mooncake.lookups import MooncakeLookups
+
+        return MooncakeLookups(self._store("lookups", 0), names)
 
     def build_worker(self, context: TierContext, host_pool: Any) -> OffloadingWorker:
         from kvoffload.tiers.mooncake.worker import MooncakeWorker
@@ -170,10 +159,4 @@ class MooncakeTierType(SecondaryTierType):
         except BaseException:
             store.close()
             raise
-        if worker.block_bytes != context.block_bytes:
-            worker.close()
-            raise ValueError(
-                f"the host pool holds {worker.block_bytes} bytes per block but the tier was sized "
-                f"for {context.block_bytes}"
-            )
-        return worker
+        return self._checked(worker, context)

@@ -1,285 +1,34 @@
 """``RedisOffloadingManager``: the scheduler-side view of the shared Redis/Valkey tier.
 
-It implements ``kvoffload.manager.OffloadingManager`` for medium ``"REMOTE"``. The server
-is shared and evicts on its own, so the manager keeps a local index of the blocks it
-*believes* present (a ``CPUOffloadingManager`` bookkeeping ``capacity`` blocks: pins,
-in-flight stores, eviction order) and learns the rest through ``RemoteLookups`` on a
-background thread. The scheduler thread never touches a socket or waits:
+A ``SharedStoreManager`` (``kvoffload.tiers.shared_store_manager``: local index, probes
+answered ``RETRY`` then ``HIT``/``MISS``, adoption, budget deletions, reconciliation,
+events of this engine's own blocks) for medium ``"REMOTE"``, asking the server through
+``RemoteLookups`` only. What is the Redis tier's own:
 
-* ``lookup`` of a key in the index answers as the index does (``HIT``, ``PENDING`` while
-  our store is in flight). A key not in the index is probed: ``RETRY`` until the answer
-  is in (at most ``probe_timeout`` seconds, then ``MISS``); a key found present is
-  adopted into the index (``HIT``), one found absent answers ``MISS`` for
-  ``absent_ttl`` seconds. While the server is down (the breaker is open) unknown keys
-  answer ``MISS`` at once.
-* ``prepare_store`` reserves index room (evicting idle blocks by the policy); the worker
-  writes with ``SET NX``. With ``delete_on_evict`` (set when the tier has a
-  ``bytes_to_use`` budget) the blocks this engine wrote are deleted from the server when
-  the index evicts them, so the engine never holds more than its budget there.
-* Blocks the server dropped (keyspace notifications or the periodic ``reconcile`` every
-  ``reconcile_interval`` seconds) leave the index; a failed promotion ``discard``s its
-  keys (the worker has deleted corrupt values) and they answer ``MISS`` for a while.
-* Events: only blocks this engine stored are announced (``removed=False`` at
-  ``complete_store``), and only those announced are later announced removed. Blocks
-  adopted from other replicas are not announced: their writer did. Two replicas storing
-  the same new block at the same moment may both announce it (``SET NX`` keeps one copy).
+* the worker writes with ``SET NX``: two replicas storing the same new block at the same
+  moment keep one copy, and may both announce it;
+* blocks the server dropped are heard at once from keyspace notifications where the
+  server sends them, else found by the periodic reconciliation; a lost notification
+  stream triggers a reconciliation when it reconnects;
+* the server is down while the lookups' ``NodeCalls`` breaker is open.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Sequence, Set
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from kvoffload.counters import Counters
-from kvoffload.cpu import CPUOffloadingManager
-from kvoffload.keys import OffloadKey
-from kvoffload.manager import (
-    LookupResult,
-    OffloadingEvent,
-    OffloadingManager,
-    PrepareStoreOutput,
-    RequestContext,
-    TierStats,
-)
-from kvoffload.policies import CachePolicy
 from kvoffload.specs import MEDIUM_REMOTE, RemoteLoadStoreSpec
-from kvoffload.tiers.redis.lookups import RemoteLookups
-
-_HIT = LookupResult.HIT
-_MISS = LookupResult.MISS
-_RETRY = LookupResult.RETRY
+from kvoffload.tiers.shared_store_manager import SharedStoreCounters, SharedStoreManager
 
 
 @dataclass
-class RedisManagerCounters(Counters):
-    probes: int = 0  # keys asked about
-    found: int = 0  # probed keys found present and adopted
-    probe_timeouts: int = 0  # probes unanswered within probe_timeout: answered MISS
-    probe_failures: int = 0  # probes that could not be made (server down)
-    gone: int = 0  # indexed blocks the server dropped (notifications, reconciliation)
-    discarded: int = 0  # blocks dropped after a failed promotion
-    deleted: int = 0  # blocks this engine deleted from the server (budget evictions)
-    reconciliations: int = 0
-    outages: int = 0  # times the server became unavailable (the breaker opened)
+class RedisManagerCounters(SharedStoreCounters):
+    """``SharedStoreCounters``; ``gone`` counts notifications and reconciliations."""
 
 
-class RedisOffloadingManager(OffloadingManager):
+class RedisOffloadingManager(SharedStoreManager):
+    """``SharedStoreManager(lookups: RemoteLookups, capacity, ...)`` for the Redis tier."""
+
     medium = MEDIUM_REMOTE
-
-    def __init__(
-        self,
-        lookups: RemoteLookups,
-        capacity: int,
-        cache_policy: str | type[CachePolicy] = "lru",
-        enable_events: bool = False,
-        *,
-        delete_on_evict: bool = False,
-        probe_timeout: float = 1.0,
-        absent_ttl: float = 2.0,
-        reconcile_interval: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._book = CPUOffloadingManager(capacity, cache_policy, enable_events=True)
-        self._remote = lookups
-        self.enable_events = enable_events
-        self.delete_on_evict = delete_on_evict
-        self.probe_timeout = probe_timeout
-        self.absent_ttl = absent_ttl
-        self.reconcile_interval = reconcile_interval
-        self._clock = clock
-        self._probing: dict[OffloadKey, float] = {}  # key -> deadline
-        self._absent: dict[OffloadKey, float] = {}  # key -> until when it answers MISS
-        self._ours: set[OffloadKey] = set()  # announced by this engine (it wrote them)
-        self._events: list[OffloadingEvent] = []
-        self._next_reconcile = clock() + reconcile_interval
-        self._counters = RedisManagerCounters()
-
-    # -- answers from the background thread ---------------------------------------------
-
-    def _absorb(self) -> None:
-        """Apply the answers that came in; start a reconciliation when one is due."""
-        now = self._clock()
-        if now >= self._next_reconcile:
-            self._next_reconcile = now + self.reconcile_interval
-            self._counters.reconciliations += 1
-            self._remote.reconcile(self._book.keys())
-        if not self._remote.has_answers():
-            return
-        counters = self._counters
-        for answer in self._remote.answers():
-            keys = [OffloadKey(k) for k in answer.keys]
-            if answer.kind == "present":
-                self._adopt([k for k in keys if self._probing.pop(k, None) is not None])
-            elif answer.kind in ("absent", "failed"):
-                if answer.kind == "failed":
-                    counters.probe_failures += len(keys)
-                until = now + self.absent_ttl
-                for key in keys:
-                    if self._probing.pop(key, None) is not None:
-                        self._absent[key] = until
-            elif answer.kind == "gone":
-                before = self._book.stats().used
-                self._book.discard(keys)
-                counters.gone += before - self._book.stats().used
-                self._collect()
-            elif answer.kind == "resync":
-                self._next_reconcile = now
-
-    def _adopt(self, keys: list[OffloadKey]) -> None:
-        """Index blocks another writer stored, without announcing them."""
-        if not keys:
-            return
-        self._collect()
-        out = self._book.prepare_store(keys)
-        if out is None:  # no idle room: they stay unknown and answer MISS for a while
-            until = self._clock() + self.absent_ttl
-            for key in keys:
-                self._absent[key] = until
-            return
-        self._book.complete_store(out.keys_to_store)
-        self._counters.found += len(out.keys_to_store)
-        self._evicted(out.evicted_keys)
-        self._collect(announce=False)
-
-    def _collect(self, announce: bool = True) -> None:
-        """Move the index's events to ours: stores only when ``announce``, removals only
-        of announced keys."""
-        ours = self._ours
-        for event in self._book.take_events():
-            if event.removed:
-                keys = [key for key in event.keys if key in ours]
-                ours.difference_update(keys)
-            elif announce:
-                keys = event.keys
-                ours.update(keys)
-            else:
-                continue
-            if keys and self.enable_events:
-                self._events.append(OffloadingEvent(keys, self.medium, event.removed))
-
-    def _evicted(self, keys: Sequence[OffloadKey]) -> None:
-        if self.delete_on_evict and keys:
-            mine = [key for key in keys if key in self._ours]
-            self._remote.delete(mine)
-            self._counters.deleted += len(mine)
-
-    # -- lookups -------------------------------------------------------------------------
-
-    def lookup(self, key: OffloadKey) -> LookupResult:
-        self._absorb()
-        result = self._book.lookup(key)
-        if result is not _MISS:
-            return result
-        now = self._clock()
-        until = self._absent.get(key)
-        if until is not None:
-            if now < until:
-                return _MISS
-            del self._absent[key]
-        deadline = self._probing.get(key)
-        if deadline is not None:
-            if now < deadline:
-                return _RETRY
-            del self._probing[key]
-            self._counters.probe_timeouts += 1
-            self._absent[key] = now + self.absent_ttl
-            return _MISS
-        if self._remote.calls.down:
-            return _MISS
-        if len(self._absent) > 65536:
-            self._absent = {k: t for k, t in self._absent.items() if t > now}
-        self._probing[key] = now + self.probe_timeout
-        self._counters.probes += 1
-        self._remote.probe(key)
-        return _RETRY
-
-    def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
-        count = 0
-        for key in keys:
-            if self.lookup(key) is not _HIT:
-                break
-            count += 1
-        return count
-
-    def state(self, key: OffloadKey) -> int | None:
-        return self._book.state(key)
-
-    # -- loads and stores ----------------------------------------------------------------
-
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> RemoteLoadStoreSpec:
-        self._book.prepare_load(keys)
-        return RemoteLoadStoreSpec(keys)
-
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
-        self._book.touch(keys)
-
-    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
-        self._book.complete_load(keys)
-
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
-        self._absorb()
-        self._collect()
-        out = self._book.prepare_store(keys)
-        if out is None:
-            return None
-        self._evicted(out.evicted_keys)
-        self._collect()
-        for key in out.keys_to_store:
-            self._absent.pop(key, None)
-            self._probing.pop(key, None)
-        return PrepareStoreOutput(out.keys_to_store, RemoteLoadStoreSpec(out.keys_to_store), out.evicted_keys)
-
-    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
-        self._collect()
-        self._book.complete_store(keys, success)
-        self._collect()
-
-    def discard(self, keys: Sequence[OffloadKey]) -> None:
-        """Drop idle ``keys`` whose promotion failed; they answer ``MISS`` for a while."""
-        self._collect()
-        before = self._book.stats().used
-        self._book.discard(keys)
-        self._counters.discarded += before - self._book.stats().used
-        self._collect()
-        until = self._clock() + self.absent_ttl
-        for key in keys:
-            if self._book.state(key) is None:
-                self._absent[key] = until
-
-    # -- housekeeping --------------------------------------------------------------------
-
-    def take_events(self) -> list[OffloadingEvent]:
-        self._absorb()
-        self._collect()
-        events, self._events = self._events, []
-        return events
-
-    def reset(self) -> None:
-        """Forget every block (the server keeps them; lookups find them again)."""
-        self._collect()
-        self._book.reset()
-        self._collect()
-        self._probing.clear()
-        self._absent.clear()
-
-    def stats(self) -> TierStats:
-        return replace(self._book.stats(), medium=self.medium)
-
-    def counters(self) -> RedisManagerCounters:
-        return self._counters.snapshot(outages=self._remote.calls.outages)
-
-    def on_new_request(self, request: RequestContext) -> None:
-        self._book.on_new_request(request)
-
-    def on_request_finished(
-        self,
-        request: RequestContext,
-        key_groups: Sequence[Sequence[OffloadKey]],
-        inserted: Set[OffloadKey],
-        reused: Set[OffloadKey],
-    ) -> None:
-        self._book.on_request_finished(request, key_groups, inserted, reused)
-
-    def close(self) -> None:
-        self._remote.close()
+    spec_type = RemoteLoadStoreSpec
+    counters_type = RedisManagerCounters

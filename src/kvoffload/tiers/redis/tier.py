@@ -15,23 +15,24 @@ Credentials the server rejects are a configuration error and fail the start.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from kvoffload.manager import OffloadingManager
 from kvoffload.settings import BOOL, POSITIVE_INT, POSITIVE_SECONDS, REQUIRED, Key, Schema, custom, text
 from kvoffload.tiers.redis.calls import NodeCalls
 from kvoffload.tiers.redis.client import ServerSettings, check_url, connect, redact
-from kvoffload.tiers.redis.format import KeyNames, redis_namespace, value_bytes
-from kvoffload.tiers.secondary import SecondaryTierType, TierContext
+from kvoffload.tiers.redis.format import KeyNames
+from kvoffload.tiers.secondary import TierContext
+from kvoffload.tiers.shared_store_tier import MAX_INDEX_BLOCKS, NAME, PROBE_TIMEOUT, SharedStoreTierType
 from kvoffload.worker import OffloadingWorker
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.redis.lookups import RemoteLookups
+    from kvoffload.tiers.redis.manager import RedisOffloadingManager
 
 log = logging.getLogger("kvoffload.tiers.redis")
 
 _URL = custom("`redis://`, `rediss://` or `unix://` URL", lambda where, value: check_url(value))
-_NAME = text(
-    "name", "be a non-empty name without spaces or ':'", lambda v: v != "" and not set(v) & set(" :\n\r\0")
-)
 _VARIABLE = text("variable name", "name an environment variable", bool)
 
 REDIS_KEYS = Schema((
@@ -49,22 +50,22 @@ REDIS_KEYS = Schema((
         "the index holds up to `max_index_blocks` blocks, nothing is deleted, and the server's `maxmemory` "
         "policy bounds the store",
         shown_default="none"),
-    Key("max_index_blocks", POSITIVE_INT, 1_000_000, "blocks the local index tracks without `bytes_to_use`"),
-    Key("namespace", _NAME, "kvoffload",
+    MAX_INDEX_BLOCKS,
+    Key("namespace", NAME, "kvoffload",
         "the first part of every key name, to keep kvoffload's keys (or one deployment's) apart on a shared "
         "server; the layout namespace derived from the blocks' identity follows it"),
     Key("ttl_s", POSITIVE_INT, None, "expiry of stored blocks, seconds", shown_default="none"),
     Key("io_threads", POSITIVE_INT, 2, "the worker's threads"),
     Key("connect_timeout_s", POSITIVE_SECONDS, 1.0, "bound of connecting to the server"),
     Key("timeout_s", POSITIVE_SECONDS, 2.0, "bound of every call"),
-    Key("probe_timeout_s", POSITIVE_SECONDS, 1.0, "a lookup still unanswered after this is a miss"),
+    PROBE_TIMEOUT,
     Key("reconcile_interval_s", POSITIVE_SECONDS, 30.0,
         "how often the index is checked against the server (what keyspace notifications did not tell)"),
 ), unknown="unknown key(s) {unknown} for the redis tier; known: {known}",
    missing="the redis tier needs {key!r}{hint}")  # fmt: skip
 
 
-class RedisTierType(SecondaryTierType):
+class RedisTierType(SharedStoreTierType):
     type_name = "redis"
 
     def __init__(self, server: ServerSettings, options: Mapping[str, Any]) -> None:
@@ -75,7 +76,8 @@ class RedisTierType(SecondaryTierType):
         self.prefix: str = options["namespace"]
         self.ttl: int | None = options["ttl_s"]
         self.io_threads: int = options["io_threads"]
-        self.seconds = {key: options[key] for key in ("probe_timeout_s", "reconcile_interval_s")}
+        self.probe_timeout: float = options["probe_timeout_s"]
+        self.reconcile_interval: float = options["reconcile_interval_s"]
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> RedisTierType:
@@ -83,9 +85,6 @@ class RedisTierType(SecondaryTierType):
         server = ServerSettings(values["url"], values["cluster"], values["password_env"],
                                 values["connect_timeout_s"], values["timeout_s"])  # fmt: skip
         return cls(server, values)
-
-    def _names(self, context: TierContext, rank: int | None = None) -> KeyNames:
-        return KeyNames(self.prefix, redis_namespace(context.rank_identity(rank)))
 
     def _connect(self):
         return connect(self.server)
@@ -111,32 +110,22 @@ class RedisTierType(SecondaryTierType):
                 "it serves once the server answers", self.server.shown, redact(str(exc)),
             )  # fmt: skip
 
-    def build_manager(self, context: TierContext, eviction_policy: str) -> OffloadingManager:
-        from kvoffload.tiers.redis.lookups import RemoteLookups
+    def _manager_type(self) -> type[RedisOffloadingManager]:
         from kvoffload.tiers.redis.manager import RedisOffloadingManager
 
-        self._check_password()
-        self._check_server()
-        per_block = value_bytes(context.block_bytes) * context.world_size  # every rank's share
-        if self.bytes_to_use is not None:
-            capacity = self.bytes_to_use // per_block
-            if capacity == 0:
-                raise ValueError(f"bytes_to_use={self.bytes_to_use} holds no block ({per_block} bytes each)")
-        else:
-            capacity = self.max_index_blocks
+        return RedisOffloadingManager
+
+    def _lookups(self, names: Sequence[KeyNames]) -> RemoteLookups:
+        from kvoffload.tiers.redis.lookups import RemoteLookups
+
         calls = NodeCalls(self._connect, f"redis tier {self.server.shown} (lookups)", self.server.cluster)
         notifications = not self.server.cluster  # per node on a cluster: reconciliation instead
-        names = [self._names(context, rank) for rank in range(context.world_size)]
-        lookups = RemoteLookups(self._connect, names, calls, notifications=notifications)
-        return RedisOffloadingManager(
-            lookups,
-            capacity,
-            eviction_policy,
-            enable_events=True,
-            delete_on_evict=self.bytes_to_use is not None,
-            probe_timeout=self.seconds["probe_timeout_s"],
-            reconcile_interval=self.seconds["reconcile_interval_s"],
-        )
+        return RemoteLookups(self._connect, names, calls, notifications=notifications)
+
+    def build_manager(self, context: TierContext, eviction_policy: str) -> RedisOffloadingManager:
+        self._check_password()
+        self._check_server()
+        return super().build_manager(context, eviction_policy)
 
     def build_worker(self, context: TierContext, host_pool: Any) -> OffloadingWorker:
         from kvoffload.tiers.redis.worker import RedisWorker
@@ -144,10 +133,4 @@ class RedisTierType(SecondaryTierType):
         self._check_password()
         calls = NodeCalls(self._connect, f"redis tier {self.server.shown} (transfers)", self.server.cluster)
         worker = RedisWorker(host_pool, calls, self._names(context), io_threads=self.io_threads, ttl=self.ttl)
-        if worker.block_bytes != context.block_bytes:
-            worker.close()
-            raise ValueError(
-                f"the host pool holds {worker.block_bytes} bytes per block but the tier was sized "
-                f"for {context.block_bytes}"
-            )
-        return worker
+        return self._checked(worker, context)
