@@ -57,6 +57,11 @@ class Replica:
         self.manager.complete_store(out.keys_to_store, result.success)
         return result
 
+    def wait_listening(self, timeout: float = 30.0) -> None:
+        """Until the server confirmed the keyspace-notification subscription: removals
+        after this are heard (before it, only reconciliation finds them)."""
+        assert self.manager._remote.listening.wait(timeout), "not subscribed to notifications"
+
     def settle(self, key, timeout: float = 5.0):
         """Ask until the answer is no longer RETRY (the scheduler asks once per step)."""
         return until(lambda: (r := self.manager.lookup(key)) is not RETRY and r, timeout)

@@ -12,7 +12,9 @@ background thread serves everything queued at once, probes first, in batches of
 * ``gone``: keys the store no longer holds (a reconciliation found them missing, or the
   store said so);
 * ``resync``: the store may have lost keys unseen (it came back after an outage): the
-  manager should reconcile now.
+  manager should reconcile now;
+* ``lost``: the store came back after an outage that may have emptied it (a Mooncake
+  master restarts with no objects): nothing the manager indexed can be trusted.
 
 With tensor parallelism each rank stores its share of a block under its own name
 (``names``: one ``KeyNames`` per rank, or one): a key is ``present`` only when every
@@ -41,7 +43,7 @@ _MOST = 16 * BATCH  # requests taken off the queue in one round
 
 @dataclass(frozen=True)
 class Answer:
-    kind: str  # "present", "absent", "failed", "gone", "resync"
+    kind: str  # "present", "absent", "failed", "gone", "resync", "lost"
     keys: tuple[bytes, ...]
 
 

@@ -13,15 +13,18 @@ never calls the store or waits:
   is in (at most ``probe_timeout`` seconds, then ``MISS``); a key found present is
   adopted into the index (``HIT``), one found absent (or whose probe failed) answers
   ``MISS`` for ``absent_ttl`` seconds. While the store is down (``lookups.down``)
-  unknown keys answer ``MISS`` at once.
+  every key answers ``MISS`` at once, indexed ones too: a load from a store that is down
+  would only fail (on Mooncake after seconds).
 * ``prepare_store`` reserves index room (evicting idle blocks by the policy). With
   ``delete_on_evict`` (set when the tier has a byte budget) the blocks this engine wrote
   are deleted from the store when the index evicts them, so the engine never holds more
   than its budget there.
 * Blocks the store dropped (``gone`` answers) leave the index. Every
   ``reconcile_interval`` seconds, and at once after a ``resync`` answer, the indexed keys
-  are checked against the store. A failed promotion ``discard``s its keys and they answer
-  ``MISS`` for a while.
+  are checked against the store. After a ``lost`` answer (a store back from an outage that
+  may have emptied it) every idle indexed block leaves the index at once (counted
+  ``gone``, announced removed if ours) and is found again by probes if it is still there.
+  A failed promotion ``discard``s its keys and they answer ``MISS`` for a while.
 * Events: only blocks this engine stored are announced (``removed=False`` at
   ``complete_store``), and only those announced are later announced removed, whatever
   removed them (our eviction, the store's). Blocks adopted from other replicas are not
@@ -128,6 +131,13 @@ class SharedStoreManager(OffloadingManager):
                 self._collect()
             elif answer.kind == "resync":
                 self._next_reconcile = now
+            elif answer.kind == "lost":
+                before = self._book.stats().used
+                self._book.discard(list(self._book.keys()))
+                counters.gone += before - self._book.stats().used
+                self._collect()
+                self._absent.clear()
+                self._next_reconcile = now  # the blocks in use stayed: check them too
         if now >= self._next_reconcile:
             self._next_reconcile = now + self.reconcile_interval
             counters.reconciliations += 1
@@ -177,7 +187,7 @@ class SharedStoreManager(OffloadingManager):
         self._absorb()
         result = self._book.lookup(key)
         if result is not _MISS:
-            return result
+            return _MISS if self._remote.down else result
         now = self._clock()
         until = self._absent.get(key)
         if until is not None:

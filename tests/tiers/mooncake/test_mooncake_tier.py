@@ -137,6 +137,8 @@ def test_the_master_killed_mid_run_costs_misses_and_the_tier_recovers_after_a_re
     assert not load.success
     assert a.manager.lookup(k(20)) is RETRY and a.settle(k(20)) is MISS  # a's lookups see it down too
     assert until(lambda: a.manager.lookup(k(21)) is MISS)  # breaker open: MISS at once, no probe
+    # indexed blocks too: a load from a master that is down would only fail, after seconds
+    assert all(a.manager.lookup(key) is MISS for key in keys)
 
     mooncake_server.start()  # same port; the master starts empty
     # a's lookups notice the return by themselves, reconcile, and announce what was lost

@@ -99,6 +99,7 @@ def test_server_eviction_is_announced_removed_and_never_a_wrong_load(tmp_path):
     server = RedisServer(tmp_path, maxmemory="3mb").start()
     try:
         a = Replica(server.url)
+        a.wait_listening()
         block = a.block_bytes
         n = (6 * 2**20) // block  # twice what the server may hold
         ids = list(range(16))
@@ -378,6 +379,7 @@ def test_a_block_deleted_on_the_server_is_announced_removed_within_seconds(repli
     """Keyspace notifications on (the test server's): another replica or an operator
     deleting a block is heard at once, long before the next reconciliation (30 s)."""
     a = replicas()
+    a.wait_listening()
     keys = [k(1), k(2)]
     assert a.store(keys, [0, 1]).success
     a.manager.take_events()

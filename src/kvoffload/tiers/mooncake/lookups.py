@@ -8,10 +8,10 @@ breaker is open, or a call answered an outage code) probes are ``failed``.
 
 Mooncake evicts in the background and loses every key when its master restarts; it sends
 its clients no notifications, so ``gone`` answers come from reconciliations only. When the
-master answers again after an outage the thread posts ``resync`` (a restarted master
-starts empty). While the master is down and nothing is asked, the thread checks it every
-``HEARTBEAT_S`` seconds (as far as the breaker lets it), so its return is noticed without
-traffic.
+master answers again after an outage the thread posts ``lost`` (a restarted master
+starts empty: the manager drops its index). While the master is down and nothing is
+asked, the thread checks it every ``HEARTBEAT_S`` seconds (as far as the breaker lets
+it), so its return is noticed without traffic.
 
 Deletions are forced (``force=True``): an existence check or a get grants a lease (10 s by
 default) during which a plain remove fails, and the tier's own probes would keep its
@@ -65,7 +65,7 @@ class MooncakeLookups(StoreLookups):
         recoveries = self.store.breaker.recoveries
         if recoveries != self._recoveries:
             self._recoveries = recoveries
-            self._answers.put(Answer("resync", ()))
+            self._answers.put(Answer("lost", ()))  # a restarted master holds nothing
 
     def _rank_names(self, ranks: KeyNames, keys: Sequence[bytes]) -> list[str]:
         return object_names(ranks, keys)

@@ -43,6 +43,9 @@ class RemoteLookups(StoreLookups):
         self._db = db
         super().__init__(names, "kvoffload-redis-lookups")
         self._listener = None
+        # set while the listener is subscribed (the server confirmed it): a removal after
+        # that is heard; one before it is found by the resync or reconciliation
+        self.listening = threading.Event()
         if notifications:
             self._listener = threading.Thread(target=self._listen, name="kvoffload-redis-events", daemon=True)
             self._listener.start()
@@ -90,14 +93,22 @@ class RemoteLookups(StoreLookups):
                         flags,
                     )
                     return
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub = client.pubsub()
                 pubsub.subscribe(*channels)
                 if reconnecting:
                     self._answers.put(Answer("resync", ()))
                 reconnecting = True
+                confirmed = 0
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=0.2)
                     if message is None:
+                        continue
+                    if message["type"] == "subscribe":
+                        confirmed += 1
+                        if confirmed == len(channels):
+                            self.listening.set()
+                        continue
+                    if message["type"] != "message":
                         continue
                     key = next(
                         (k for ranks in self._ranks if (k := ranks.key_of(message["data"])) is not None), None
@@ -105,6 +116,7 @@ class RemoteLookups(StoreLookups):
                     if key is not None:
                         self._answers.put(Answer("gone", (key,)))
             except Exception:  # noqa: BLE001 - reconnect after any error, paced by the breaker delay
+                self.listening.clear()
                 self._stop.wait(2.5)
             finally:
                 if pubsub is not None:
