@@ -240,3 +240,42 @@ def test_set_nx_refuses_a_checksum_that_does_not_fit(pair, record, error) -> Non
     a, _ = pair
     with pytest.raises(error, match="checksum 0"):
         _pipelines.set_nx(a.fileno(), 2.0, [bytearray(6), b"xxxxxx"], b"", 0, [record])
+
+
+def test_a_batch_on_turns_gives_its_turn_on_only_when_answered_in_full(pair) -> None:
+    a, b = pair
+    turns = _pipelines.Turns()
+    items, _ = plan([100, 100])
+    good = encode(key(0), [b"\1" * 100], NAMES.digest)
+    b.sendall(replies([good]) + b"$-1\r\n")  # the second value is missing: the batch stops there
+    results, unread, passed = _pipelines.get_into(a.fileno(), 2.0, b"GET a", b"", items, turns)
+    assert results == [True] and unread == b"$-1\r\n" and passed is False  # the caller reads the rest
+    turns.release()
+    b.sendall(replies([good, encode(key(1), [b"\2" * 100], NAMES.digest)]))
+    results, unread, passed = _pipelines.get_into(a.fileno(), 2.0, b"GET b", b"", items, turns)
+    assert results == [True, True] and passed is True
+    b.sendall(b"+OK\r\n+OK\r\n")
+    lines, unread, passed = _pipelines.set_nx(a.fileno(), 2.0, [b"SET c"], b"", 2, [], turns)
+    assert lines == [b"+OK", b"+OK"] and passed is True
+    assert turns.behind == 0 and not turns.broken
+
+
+def test_a_batch_on_broken_turns_is_refused_unsent_and_a_failed_one_breaks_them(pair) -> None:
+    a, b = pair
+    turns = _pipelines.Turns()
+    b.close()  # the peer is gone: the batch fails on its turn
+    items, _ = plan([100])
+    with pytest.raises(OSError):
+        _pipelines.get_into(a.fileno(), 2.0, b"GET a", b"", items, turns)
+    assert turns.broken
+    c, d = socket.socketpair()
+    with c, d:
+        with pytest.raises(_pipelines.TurnLost):
+            _pipelines.get_into(c.fileno(), 2.0, b"GET a", b"", items, turns)
+        with pytest.raises(_pipelines.TurnLost):
+            _pipelines.set_nx(c.fileno(), 2.0, [b"SET a"], b"", 1, [], turns)
+        with pytest.raises(_pipelines.TurnLost):
+            turns.acquire()
+        d.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            d.recv(1)  # nothing was sent

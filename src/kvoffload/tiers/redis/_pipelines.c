@@ -6,7 +6,7 @@
  * may take (< 0: no limit). Both raise ``TimeoutError``, ``ConnectionError`` (the peer
  * closed) or ``OSError``; after any exception the connection's state is unknown.
  *
- *   get_into(fd, timeout, request, buffered, items) -> (results, unread)
+ *   get_into(fd, timeout, request, buffered, items, turns=None) -> (results, unread[, passed])
  *       Sends ``request`` (the batch's GET commands) whole, then receives the replies:
  *       ``buffered`` (bytes of the stream already read) first. ``items``: per value
  *       ``(expected, lead, key, rows)``: ``expected`` the bytes planned before its payload
@@ -22,7 +22,7 @@
  *       shorter than ``items``. ``ValueError`` for bytes that are not RESP (a bulk string
  *       not followed by CRLF). Rows of items not answered ``True`` hold unspecified bytes.
  *
- *   set_nx(fd, timeout, buffers, buffered, count, checksums=[]) -> (lines, unread)
+ *   set_nx(fd, timeout, buffers, buffered, count, checksums=[], turns=None) -> (lines, unread[, passed])
  *       Sends ``buffers`` (the batch's SET commands, payloads as they lie) in order with
  *       vectored writes, then reads up to ``count`` replies, ``buffered`` first. Each of
  *       ``checksums``, ``(index, crc_at, key_len, parts)``, is first filled in, on the same
@@ -33,6 +33,17 @@
  *       null ``$-1`` or ``_``) without its CRLF; it stops at the first reply of another
  *       kind (a RESP3 push, say) or past 64 KiB without a line end, and ``unread`` holds
  *       the bytes from there on (or after the last reply), for the caller to read.
+ *
+ *   Turns(): the order of the batches of one connection that several threads drive
+ *       (kvoffload.tiers.redis.lanes). Given as the last argument ``turns`` of either batch,
+ *       the call takes a ticket, waits without the GIL for the batches before it (a store's
+ *       CRC32Cs are filled in first), runs, and passes the turn on the moment its batch is
+ *       answered in full; it then also returns ``passed``: ``False`` when it stopped early
+ *       and kept the turn (the caller reads the rest and calls ``release()``). On any
+ *       exception the call breaks the turns; a call whose turn never came because they
+ *       broke raises ``TurnLost`` (nothing was sent). ``acquire()``/``release(broken)``
+ *       take and end a turn from Python; ``broken``; ``behind``: calls that came while
+ *       another had the turn.
  *
  *   crc32c(data, crc=0) -> int
  *       The CRC32C ``get_into`` checks with (SSE4.2 on x86-64 where the CPU has it, three
@@ -51,6 +62,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
@@ -143,6 +155,138 @@ static void init_crc(void) {
         table[v] = x;
     }
     init_sse();
+}
+
+/* ---- turns: batches of one connection run back to back, in the order they came --------- */
+
+/* A ``Turns`` orders the batches of one connection driven by several threads: a batch takes
+ * a ticket when it is called (with the GIL), waits for its turn without the GIL, runs, and
+ * passes the turn on as soon as its last reply is in, still without the GIL, so the next
+ * batch, already planned and waiting in C, is sent at once: no Python between them. A batch
+ * that fails breaks the turns: every later one is refused unsent (``TurnLost``). */
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    unsigned long long next, serving;
+    unsigned long long behind; /* tickets taken while another batch had the turn */
+    int broken;
+} Turns;
+
+static PyObject *TurnLost;
+static PyTypeObject TurnsType;
+
+static PyObject *turns_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Turns *t = (Turns *)type->tp_alloc(type, 0);
+    if (!t) return NULL;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, NULL);
+    return (PyObject *)t;
+}
+
+static void turns_dealloc(Turns *t) {
+    pthread_cond_destroy(&t->cv);
+    pthread_mutex_destroy(&t->mu);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static unsigned long long turn_take(Turns *t) {
+    pthread_mutex_lock(&t->mu);
+    unsigned long long ticket = t->next++;
+    t->behind += ticket != t->serving;
+    pthread_mutex_unlock(&t->mu);
+    return ticket;
+}
+
+/* Wait for ``ticket``'s turn (without the GIL): 1, or 0 if the turns broke first (the
+ * ticket is then spent: it is passed over). */
+static int turn_wait(Turns *t, unsigned long long ticket) {
+    pthread_mutex_lock(&t->mu);
+    while (t->serving != ticket && !t->broken) pthread_cond_wait(&t->cv, &t->mu);
+    int ok = !t->broken;
+    pthread_mutex_unlock(&t->mu);
+    return ok;
+}
+
+/* The holder's turn ends: the next ticket's begins (``broken``: no later batch may run). */
+static void turn_pass(Turns *t, int broken) {
+    pthread_mutex_lock(&t->mu);
+    t->serving++;
+    t->broken |= broken;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+}
+
+static PyObject *turns_acquire(Turns *t, PyObject *unused) {
+    unsigned long long ticket = turn_take(t);
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = turn_wait(t, ticket);
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_SetString(TurnLost, "an earlier batch on this connection failed: this one was not sent");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *turns_release(Turns *t, PyObject *args) {
+    int broken = 0;
+    if (!PyArg_ParseTuple(args, "|p", &broken)) return NULL;
+    turn_pass(t, broken);
+    Py_RETURN_NONE;
+}
+
+static PyObject *turns_broken(Turns *t, void *closure) {
+    pthread_mutex_lock(&t->mu);
+    int broken = t->broken;
+    pthread_mutex_unlock(&t->mu);
+    return PyBool_FromLong(broken);
+}
+
+static PyMethodDef turns_methods[] = {
+    {"acquire", (PyCFunction)turns_acquire, METH_NOARGS,
+     "Take a ticket and wait for its turn (without the GIL); TurnLost if the turns broke."},
+    {"release", (PyCFunction)turns_release, METH_VARARGS,
+     "release(broken=False): end the holder's turn; broken: refuse every later batch."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyObject *turns_behind(Turns *t, void *closure) {
+    pthread_mutex_lock(&t->mu);
+    unsigned long long behind = t->behind;
+    pthread_mutex_unlock(&t->mu);
+    return PyLong_FromUnsignedLongLong(behind);
+}
+
+static PyGetSetDef turns_getset[] = {
+    {"behind", (getter)turns_behind, NULL, "Batches that came while another had the turn (queued behind it).",
+     NULL},
+    {"broken", (getter)turns_broken, NULL, "Whether a batch failed: later ones are refused.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TurnsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvoffload.tiers.redis._pipelines.Turns",
+    .tp_basicsize = sizeof(Turns),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The turns of the batches of one connection (see the module's comment).",
+    .tp_new = turns_new,
+    .tp_dealloc = (destructor)turns_dealloc,
+    .tp_methods = turns_methods,
+    .tp_getset = turns_getset,
+};
+
+/* The optional ``turns`` argument: NULL for None; -1 with an exception for another type. */
+static int as_turns(PyObject *arg, Turns **out) {
+    *out = NULL;
+    if (arg == NULL || arg == Py_None) return 0;
+    if (!PyObject_TypeCheck(arg, &TurnsType)) {
+        PyErr_Format(PyExc_TypeError, "turns must be a Turns or None, got %.80s", Py_TYPE(arg)->tp_name);
+        return -1;
+    }
+    *out = (Turns *)arg;
+    return 0;
 }
 
 /* ---- the planned receive --------------------------------------------------------------- */
@@ -392,8 +536,17 @@ static PyObject *get_into(PyObject *self, PyObject *args) {
     int fd;
     double timeout;
     Py_buffer request, buffered;
-    PyObject *items;
-    if (!PyArg_ParseTuple(args, "idy*y*O!", &fd, &timeout, &request, &buffered, &PyList_Type, &items)) return NULL;
+    PyObject *items, *turns_arg = NULL;
+    Turns *turns;
+    if (!PyArg_ParseTuple(args, "idy*y*O!|O", &fd, &timeout, &request, &buffered, &PyList_Type, &items, &turns_arg))
+        return NULL;
+    if (as_turns(turns_arg, &turns) < 0) {
+        PyBuffer_Release(&request);
+        PyBuffer_Release(&buffered);
+        return NULL;
+    }
+    int turn = 1, passed = 0, held_turn = 0; /* held_turn: this call has the turn and must pass it on */
+    unsigned long long ticket = 0;
     Py_ssize_t nitems = PyList_GET_SIZE(items), nviews = 0, regions = 0;
     PyObject *result = NULL;
     Py_buffer *views = NULL;
@@ -471,11 +624,22 @@ static PyObject *get_into(PyObject *self, PyObject *args) {
         goto done;
     }
 
+    if (turns) ticket = turn_take(turns);
     Py_BEGIN_ALLOW_THREADS
     place(&b, buffered.buf, buffered.len);
-    run(&b, fd, timeout, request.buf, request.len);
+    if (turns) turn = turn_wait(turns, ticket);
+    if (turn) run(&b, fd, timeout, request.buf, request.len);
+    if (turns && turn && b.error == E_NONE && b.stop < 0) {
+        turn_pass(turns, 0); /* answered in full: the next batch goes now */
+        passed = 1;
+    }
     Py_END_ALLOW_THREADS
+    held_turn = turns && turn && !passed;
 
+    if (!turn) {
+        PyErr_SetString(TurnLost, "an earlier batch on this connection failed: this one was not sent");
+        goto done;
+    }
     if (raise_for(b.error, b.err_no, b.message)) goto done;
     PyObject *results = PyList_New(b.done);
     if (!results) goto done;
@@ -497,9 +661,11 @@ static PyObject *get_into(PyObject *self, PyObject *args) {
         Py_DECREF(results);
         goto done;
     }
-    result = Py_BuildValue("(NN)", results, unread);
+    result = turns ? Py_BuildValue("(NNO)", results, unread, passed ? Py_True : Py_False)
+                   : Py_BuildValue("(NN)", results, unread);
 
 done:
+    if (held_turn && !result) turn_pass(turns, 1); /* failed on its turn: no later batch may run */
     if (views)
         for (Py_ssize_t j = 0; j < nviews; j++)
             if (views[j].obj) PyBuffer_Release(&views[j]);
@@ -633,12 +799,19 @@ static PyObject *set_nx(PyObject *self, PyObject *args) {
     int fd;
     double timeout;
     Py_buffer buffered;
-    PyObject *buffers, *checksums = NULL, *result = NULL;
+    PyObject *buffers, *checksums = NULL, *result = NULL, *turns_arg = NULL;
     Py_ssize_t count, nsums = 0;
     Checksum *sums = NULL;
-    if (!PyArg_ParseTuple(args, "idO!y*n|O!", &fd, &timeout, &PyList_Type, &buffers, &buffered, &count,
-                          &PyList_Type, &checksums))
+    Turns *turns;
+    if (!PyArg_ParseTuple(args, "idO!y*n|O!O", &fd, &timeout, &PyList_Type, &buffers, &buffered, &count,
+                          &PyList_Type, &checksums, &turns_arg))
         return NULL;
+    if (as_turns(turns_arg, &turns) < 0) {
+        PyBuffer_Release(&buffered);
+        return NULL;
+    }
+    int turn = 1, passed = 0, held_turn = 0; /* held_turn: this call has the turn and must pass it on */
+    unsigned long long ticket = 0;
     Py_ssize_t n = PyList_GET_SIZE(buffers), held = 0;
     Py_buffer *views = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
     struct iovec *iov = PyMem_Calloc((size_t)n + 1, sizeof(struct iovec));
@@ -661,11 +834,24 @@ static PyObject *set_nx(PyObject *self, PyObject *args) {
     if (checksums && !(sums = parse_checksums(checksums, views, n, &nsums))) goto done;
     memcpy(l.buf, buffered.buf, (size_t)buffered.len);
     l.len = (size_t)buffered.len;
+    if (turns) ticket = turn_take(turns);
     Py_BEGIN_ALLOW_THREADS
-    fill_checksums(sums, nsums, views);
-    l.error = send_all(fd, timeout, iov, n, &l.err_no);
-    if (l.error == E_NONE) read_lines(&l, fd, timeout);
+    fill_checksums(sums, nsums, views); /* while the batch before it is still on the wire */
+    if (turns) turn = turn_wait(turns, ticket);
+    if (turn) {
+        l.error = send_all(fd, timeout, iov, n, &l.err_no);
+        if (l.error == E_NONE) read_lines(&l, fd, timeout);
+        if (turns && l.error == E_NONE && l.parsed == l.count && l.pos == l.len) {
+            turn_pass(turns, 0); /* answered in full, nothing more read: the next batch goes now */
+            passed = 1;
+        }
+    }
     Py_END_ALLOW_THREADS
+    held_turn = turns && turn && !passed;
+    if (!turn) {
+        PyErr_SetString(TurnLost, "an earlier batch on this connection failed: this one was not sent");
+        goto done;
+    }
     if (raise_for(l.error, l.err_no, NULL)) goto done;
     PyObject *lines = PyList_New(l.parsed);
     if (!lines) goto done;
@@ -677,9 +863,12 @@ static PyObject *set_nx(PyObject *self, PyObject *args) {
         }
         PyList_SET_ITEM(lines, i, line);
     }
-    result = Py_BuildValue("(Ny#)", lines, l.buf + l.pos, (Py_ssize_t)(l.len - l.pos));
+    result = turns ? Py_BuildValue("(Ny#O)", lines, l.buf + l.pos, (Py_ssize_t)(l.len - l.pos),
+                                   passed ? Py_True : Py_False)
+                   : Py_BuildValue("(Ny#)", lines, l.buf + l.pos, (Py_ssize_t)(l.len - l.pos));
 
 done:
+    if (held_turn && !result) turn_pass(turns, 1); /* failed on its turn: no later batch may run */
     for (Py_ssize_t j = 0; j < held; j++) PyBuffer_Release(&views[j]);
     PyBuffer_Release(&buffered);
     PyMem_Free(sums);
@@ -714,5 +903,16 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pipelines", NULL, -
 
 PyMODINIT_FUNC PyInit__pipelines(void) {
     init_crc();
-    return PyModule_Create(&module);
+    if (PyType_Ready(&TurnsType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    TurnLost = PyErr_NewExceptionWithDoc("kvoffload.tiers.redis._pipelines.TurnLost",
+                                         "A batch refused unsent: an earlier one on its connection failed.",
+                                         PyExc_ConnectionError, NULL);
+    if (!TurnLost || PyModule_AddObjectRef(m, "TurnLost", TurnLost) < 0 ||
+        PyModule_AddObjectRef(m, "Turns", (PyObject *)&TurnsType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

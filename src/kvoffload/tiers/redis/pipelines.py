@@ -34,13 +34,22 @@ Each batch runs one of two ways:
   were). It takes the GIL back per socket call, which costs up to the switch interval each
   time while an engine's Python loop is busy.
 
+On a stream with ``turns`` (a connection driven by several threads, ``lanes``), each batch
+runs on its turn: in C it takes a ticket when called, is planned (and a store's CRC32Cs
+computed) while the batch before it is still on the wire, is sent the moment that one is
+answered, and passes the turn on, all without the GIL: queued jobs run back to back
+without Python between them. A batch that C could not answer in full (a reply not as
+planned) keeps the turn while the rest is read here; the caller ends it
+(``RespStream.end_turn``). ``TurnLost``: an earlier batch on the connection failed, this
+one was not sent.
+
 Socket errors, timeouts and protocol errors raise (the caller drops the connection); the
 rows of items not answered ``True`` hold unspecified bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvoffload.tiers.redis.format import (
@@ -59,6 +68,18 @@ try:  # both batches in C, without the GIL (built at install when a compiler is 
 except ImportError:  # pragma: no cover - depends on the build
     _pipelines = None
 
+
+def _on_turn(stream: RespStream, batch: Any, *args: Any) -> Any:
+    """``batch(*args)`` (a ``_pipelines`` batch) on the stream's turn if it has turns: the
+    C call waits for it, and passes it on if it answered the batch in full; otherwise the
+    stream keeps holding it (``turn_held``) for the caller to end."""
+    if stream.turns is None:
+        return batch(*args)
+    *out, passed = batch(*args, stream.turns)  # an exception: C has broken the turns
+    stream.turn_held = not passed
+    return out
+
+
 _SET = b"$3\r\nSET\r\n"
 _NX = b"\r\n$2\r\nNX\r\n"
 
@@ -75,24 +96,36 @@ def set_nx(
     buffers: list[Any] = []
     checksums: list[tuple[int, int, int, int]] = []  # C fills in each header's CRC32C
     carry = b""  # the end of the previous command goes out with the start of the next
+    # native: the framing of one shape (name, key and payload lengths) made once
+    shapes: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}
     for name, key, payload in items:
-        nbytes = sum(memoryview(part).nbytes for part in payload)
-        value_head = head_template(key, nbytes, digest) if native else head(key, payload, digest)
-        size = len(value_head) + nbytes
-        lead = (carry, first, _SET, bulk_head(len(name)), name, b"\r\n", bulk_head(size))
-        framing = b"".join((*lead, value_head))
-        if native:
-            framing = bytearray(framing)
-            checksums.append((len(buffers), len(framing) - len(value_head) + CRC_AT, len(key), len(payload)))
+        nbytes = sum([memoryview(part).nbytes for part in payload])
+        if native:  # the framing before the name, and after it up to the key (a zero CRC field)
+            shape = (len(name), len(key), nbytes)
+            parts = shapes.get(shape)
+            if parts is None:
+                header = head_template(key, nbytes, digest)[:HEADER_BYTES]
+                lead = first + _SET + bulk_head(len(name))
+                parts = shapes[shape] = (lead, b"\r\n" + bulk_head(HEADER_BYTES + len(key) + nbytes) + header)
+            framing = bytearray(b"".join((carry, parts[0], name, parts[1], key)))
+            crc_at = len(framing) - len(key) - HEADER_BYTES + CRC_AT
+            checksums.append((len(buffers), crc_at, len(key), len(payload)))
+        else:
+            value_head = head(key, payload, digest)
+            size = len(value_head) + nbytes
+            framing = b"".join(
+                (carry, first, _SET, bulk_head(len(name)), name, b"\r\n", bulk_head(size), value_head)
+            )
         buffers.append(framing)
         buffers.extend(payload)
         carry = tail
     buffers.append(carry)
     if not native:
+        stream.take_turn()
         stream.send(buffers)
         return [stream.reply() for _ in items]
     fd, timeout, buffered = stream.hand_off(1 << 62)
-    lines, unread = _pipelines.set_nx(fd, timeout, buffers, buffered, len(items), checksums)
+    lines, unread = _on_turn(stream, _pipelines.set_nx, fd, timeout, buffers, buffered, len(items), checksums)
     stream.unread(unread)
     replies: list[Any] = [_ONE_LINE.get(line) or _one_line(line) for line in lines]
     return replies + [stream.reply() for _ in items[len(lines) :]]
@@ -115,6 +148,7 @@ def get_into(
 ) -> list[Any]:
     request = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name, _, _ in items)
     if not (stream.can_hand_off and items and _pipelines is not None):
+        stream.take_turn()
         stream.send([request])
         return [_one(stream, key, rows, digest) for _, key, rows in items]
     results = _received(stream, items, digest, request)  # sends the request too
@@ -127,20 +161,19 @@ def _received(
     digest: bytes,
     request: bytes,
 ) -> list[Any]:
-    """The replies to ``request`` (which it sends first), planned (``_planned_heads``),
-    received into the rows and checked by ``_pipelines.get_into``: the whole batch on one
-    release of the GIL. The results of the items before the first reply that was not as
-    planned (all of them if none); the stream is left at that reply."""
-    plan, total = [], 2
-    for (_, key, rows), (expected, lead, payload) in zip(items, _planned_heads(items, digest)):
-        plan.append((expected, lead, key, rows if isinstance(rows, list) else list(rows)))
-        total += len(expected) + payload
+    """The replies to ``request`` (which it sends first), planned (``_planned``), received
+    into the rows and checked by ``_pipelines.get_into``: the whole batch on one release of
+    the GIL. The results of the items before the first reply that was not as planned (all
+    of them if none); the stream is left at that reply."""
+    plan, total = _planned(items, digest)
     fd, timeout, buffered = stream.hand_off(total)
     try:
-        answers, unread = _pipelines.get_into(fd, timeout, request, buffered, plan)
+        answers, unread = _on_turn(stream, _pipelines.get_into, fd, timeout, request, buffered, plan)
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
     stream.unread(unread)
+    if all(answer is True for answer in answers):
+        return answers
     results: list[Any] = []
     for answer, (_, _, key, rows) in zip(answers, plan):
         if answer is True:
@@ -152,18 +185,32 @@ def _received(
     return results
 
 
-def _planned_heads(
+def _planned(
     items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
-) -> Iterator[tuple[bytes, int, int]]:
-    """Per item of a ``GET`` batch: the bytes planned before its payload (the previous
-    value's CRLF but for the first, ``$<length>\\r\\n``, its header with a zero CRC field,
-    its key), how many of them are that lead, and the payload's length."""
-    lead_format = b"$%d\r\n"
+) -> tuple[list[tuple[bytes, int, bytes, list]], int]:
+    """The plan of a ``GET`` batch for ``_pipelines.get_into`` and the bytes its replies
+    take. Per item: the bytes planned before its payload (the previous value's CRLF but for
+    the first, ``$<length>\r\n``, its header with a zero CRC field, its key), how many of
+    them are that lead, its key, its rows. The heads of one shape are made once."""
+    plan, total, heads = [], 2, {}
     for _, key, rows in items:
+        rows = rows if type(rows) is list else list(rows)
         payload = sum([row.nbytes for row in rows])
-        lead = lead_format % (HEADER_BYTES + len(key) + payload)
-        lead_format = b"\r\n$%d\r\n"  # after the first: the previous value's CRLF first
-        yield lead + head_template(key, payload, digest), len(lead), payload
+        shape = (len(key), payload, not plan)
+        head = heads.get(shape)
+        if head is None:
+            head = heads[shape] = _lead_and_header(len(key), payload, digest, not plan)
+        expected = head[0] + key
+        plan.append((expected, head[1], key, rows))
+        total += len(expected) + payload
+    return plan, total
+
+
+def _lead_and_header(key_len: int, payload: int, digest: bytes, first: bool) -> tuple[bytes, int]:
+    """A value's lead (``[\r\n]$<length>\r\n``) and header with a zero CRC field, for a
+    key of ``key_len`` bytes (which follows them), and the lead's length."""
+    lead = (b"$%d\r\n" if first else b"\r\n$%d\r\n") % (HEADER_BYTES + key_len + payload)
+    return lead + head_template(bytes(key_len), payload, digest)[:HEADER_BYTES], len(lead)
 
 
 def _why_bad(head: Any, key: bytes, digest: bytes, payload: int) -> CorruptValue:

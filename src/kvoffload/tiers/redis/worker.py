@@ -22,7 +22,15 @@ Contract, beyond ``kvoffload.worker``:
 * ``submit`` validates first (``TypeError`` for another medium pair or spec class,
   ``ValueError`` naming the bad value: counts that differ, a host id out of range, a job
   id in flight; ``RuntimeError`` after ``close``) and never touches the network.
-* Jobs run on ``io_threads`` threads, concurrently; a job succeeds or fails as a whole.
+* Jobs run on ``io_threads`` connections, concurrently; a job succeeds or fails as a whole.
+  Where the C module was built, each connection of a standalone server is a ``Lane``
+  driven by two threads: while one job's batch is on the wire, the next job queued is
+  planned on the other thread and waits in C for its turn, so queued jobs run back to
+  back, each batch sent when the one before it is answered (``lanes``). A job that an
+  earlier job's failure kept from being sent runs again on a fresh connection. On a
+  cluster (or with ``back_to_back=False``: one thread per connection, each batch sent
+  after the Python of the job before it), each batch takes a connection from the
+  client's pool.
   A failed load leaves its host rows unspecified (they may hold a bad value's bytes: the
   rows of a load are reserved, not loadable, and a failed load never makes them so). A
   value that is missing (evicted or expired since the lookup) fails the load; a value
@@ -38,6 +46,8 @@ Contract, beyond ``kvoffload.worker``:
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +58,8 @@ from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, CPULoadStoreSpec, LoadSto
 from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.redis.calls import NodeCalls, NodeDown
 from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode
+from kvoffload.tiers.redis.lanes import AVAILABLE as LANES_AVAILABLE
+from kvoffload.tiers.redis.lanes import Lane
 from kvoffload.tiers.redis.pipelines import get_into, set_nx
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
@@ -71,6 +83,7 @@ class RedisWorkerCounters(Counters):
     missing_values: int = 0  # a loaded key the server no longer had
     corrupt_values: int = 0  # failed a check on read; deleted from the server
     outages: int = 0
+    back_to_back: int = 0  # batches queued in C behind another on their connection, sent as it was answered
 
 
 class _JobFailed(Exception):
@@ -90,6 +103,7 @@ class RedisWorker(OffloadingWorker):
         *,
         io_threads: int = 2,
         ttl: int | None = None,
+        back_to_back: bool = True,
     ) -> None:
         self.host_pool = host_pool
         # a block's rows as the fewest byte views (one for an interleaved pool): what
@@ -99,7 +113,18 @@ class RedisWorker(OffloadingWorker):
         self.calls = calls
         self._names = names
         self._ttl = ttl
-        self._pool = ThreadPoolExecutor(positive_int("io_threads", io_threads), "kvoffload-redis-io")
+        connections = positive_int("io_threads", io_threads)
+        # a lane per connection, two threads each (see lanes): thread k drives lane k // 2
+        use_lanes = back_to_back and LANES_AVAILABLE and not calls.cluster
+        self._lanes = [Lane() for _ in range(connections)] if use_lanes else []
+        self._thread_lane = threading.local()
+        order = itertools.count()
+
+        def assign_lane() -> None:
+            self._thread_lane.lane = self._lanes[next(order) // 2] if self._lanes else None
+
+        threads = 2 * connections if self._lanes else connections
+        self._pool = ThreadPoolExecutor(threads, "kvoffload-redis-io", initializer=assign_lane)
         self._jobs = JobBook()
         self._lock = self._jobs.lock  # also guards the counters
         self._counters = RedisWorkerCounters()
@@ -158,7 +183,7 @@ class RedisWorker(OffloadingWorker):
         def streamed(stream, indices: list[int]) -> list:
             return set_nx(stream, [(names[i], keys[i], payload(host_ids[i])) for i in indices], digest, ttl)
 
-        replies = self.calls.run(names, command, streamed)
+        replies = self.calls.run(names, command, streamed, getattr(self._thread_lane, "lane", None))
         down = next((r for r in replies if isinstance(r, NodeDown)), None)
         with self._lock:
             self._counters.blocks_written += sum(1 for r in replies if r == b"OK")
@@ -177,7 +202,9 @@ class RedisWorker(OffloadingWorker):
             items = [(names[i], keys[i], payload(host_ids[i])) for i in indices]
             return get_into(stream, items, digest)
 
-        values = self.calls.run(names, lambda name, _: ("GET", name), streamed)
+        values = self.calls.run(
+            names, lambda name, _: ("GET", name), streamed, getattr(self._thread_lane, "lane", None)
+        )
         corrupt: list[bytes] = []
         failure = None
         for host_id, key, name, value in zip(host_ids, keys, names, values):
@@ -224,9 +251,13 @@ class RedisWorker(OffloadingWorker):
 
     def counters(self) -> RedisWorkerCounters:
         with self._lock:
-            return self._counters.snapshot(outages=self.calls.outages)
+            return self._counters.snapshot(
+                outages=self.calls.outages, back_to_back=sum(lane.back_to_back for lane in self._lanes)
+            )
 
     def close(self) -> None:
         """Let queued jobs finish (each bounded by the client's timeouts), then release."""
         if self._jobs.close():
             self._pool.shutdown(wait=True)
+            for lane in self._lanes:
+                lane.close()
