@@ -18,12 +18,17 @@ included; capacities are fractions of the trace's unique blocks. vLLM's manager 
 through the same steps (its ``ReqContext`` carries each key's end position); vLLM's own
 scheduler makes no touch at lookup, so its figures without step 3 are shown too.
 
+Speed: the replay with the lifecycle (keys/s) against vLLM's manager of the same policy
+(its LRU for S3-FIFO, W-TinyLFU and the turn-aware LRU), taken in turns, first.
+
     .venv/bin/python bench/bench_lifecycle.py [--policies lru,arc,turnlru] [--no-vllm]
+        [--speed-policies lru,arc,...] [--speed-fraction 0.05] [--reps 3] [--only-speed]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -104,6 +109,44 @@ def replay_vllm(num_blocks: int, policy: str, key_lists, touch: bool = True) -> 
     return hits
 
 
+def speed_table(policies: list[str], fraction: float, reps: int) -> None:
+    """Replay time with the lifecycle against vLLM 0.32's manager of the same policy (its
+    LRU for the policies it lacks), the two taken in turns ``reps`` times; the median of
+    the per-turn ratios."""
+    trace = read_trace(MOONCAKE_TRACE)
+    keys = to_key_lists(trace.requests)
+    total = trace.block_references()
+    blocks = int(trace.unique_blocks() * fraction)
+    print(f"## Replay speed with the lifecycle at {fraction:.0%} ({blocks} blocks), {reps} turns each")
+    print()
+    print(
+        "| policy | hits | vLLM's policy | vLLM's hits | kvoffload keys/s | vLLM keys/s | speed-up | target |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---|")
+    for policy in policies:
+        theirs = policy if policy in ("lru", "arc") else "lru"
+        ratios, ours_s, vllm_s = [], [], []
+        for rep in range(reps):
+            runs = ("ours", "vllm") if rep % 2 == 0 else ("vllm", "ours")
+            for which in runs:
+                if which == "ours":
+                    hits, _, _, seconds = replay_lifecycle(CPUOffloadingManager(blocks, policy), keys)
+                    ours_s.append(seconds)
+                else:
+                    start = time.perf_counter()
+                    vllm_hits = replay_vllm(blocks, theirs, keys)
+                    vllm_s.append(time.perf_counter() - start)
+            ratios.append(vllm_s[-1] / ours_s[-1])
+        ratio = statistics.median(ratios)
+        print(
+            f"| {policy} | {hits:,} | {theirs} | {vllm_hits:,} | {total / statistics.median(ours_s):,.0f} "
+            f"| {total / statistics.median(vllm_s):,.0f} | {ratio:.2f}x "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) | >= 5x: {'**met**' if ratio >= 5 else '**missed**'} |",
+            flush=True,
+        )
+    print()
+
+
 def vllm_available() -> bool:
     try:
         import vllm.v1.kv_offload.cpu.manager  # noqa: F401
@@ -175,7 +218,15 @@ def main() -> int:
     parser.add_argument("--policies", default="lru,arc,turnlru")
     parser.add_argument("--threshold-policies", default="lru,arc")
     parser.add_argument("--no-vllm", action="store_true", help="print the issue's vLLM figures instead")
+    parser.add_argument("--speed-policies", default="lru,arc,s3fifo,wtinylfu,turnlru")
+    parser.add_argument("--speed-fraction", type=float, default=0.05)
+    parser.add_argument("--reps", type=int, default=3, help="turns of each side in the speed table")
+    parser.add_argument("--only-speed", action="store_true", help="the speed table alone")
     args = parser.parse_args()
+    if MOONCAKE_TRACE.exists() and not args.no_vllm and vllm_available():
+        speed_table(args.speed_policies.split(","), args.speed_fraction, args.reps)
+    if args.only_speed:
+        return 0
     if MOONCAKE_TRACE.exists():
         hits_table(args.policies.split(","), not args.no_vllm and vllm_available())
     else:

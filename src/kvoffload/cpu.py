@@ -22,7 +22,10 @@ semantics beyond the base contract:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence, Set
+from itertools import filterfalse, repeat
+from operator import attrgetter
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import (
@@ -40,6 +43,10 @@ from kvoffload.validation import non_negative_int
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.PENDING
+_slot = attrgetter("slot")
+_ref = attrgetter("ref")
+_plus_one = (1).__add__
+_minus_one = (-1).__add__
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -83,16 +90,15 @@ class CPUOffloadingManager(OffloadingManager):
         return _HIT
 
     def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
-        blocks = self._blocks
-        count = 0
-        for key in keys:
-            status = blocks.get(key)
-            if status is None:
-                self._misses += 1
-                break
-            if status.ref < 0:
-                break
-            count += 1
+        # C loops over the whole list: cheaper than a Python loop that stops early
+        statuses = list(map(self._blocks.get, keys))
+        end = statuses.index(None) if None in statuses else len(statuses)
+        refs = list(map(_ref, statuses[:end] if end < len(statuses) else statuses))
+        if refs and min(refs) < 0:  # a store in flight ends the prefix
+            count = refs.index(-1)
+        else:
+            count = end
+            self._misses += end < len(statuses)
         self._hits += count
         return count
 
@@ -105,6 +111,14 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
         blocks = self._blocks
+        statuses = list(map(blocks.get, keys))
+        if None not in statuses:
+            refs = list(map(_ref, statuses))
+            if (not refs or min(refs) >= 0) and len(set(map(id, statuses))) == len(statuses):
+                # the common case, distinct loadable keys: C loops only
+                self._pinned += refs.count(0)
+                deque(map(setattr, statuses, repeat("ref"), map(_plus_one, refs)), maxlen=0)
+                return CPULoadStoreSpec(list(map(_slot, statuses)))
         pinned: list[BlockStatus] = []
         for key in keys:
             status = blocks.get(key)
@@ -124,6 +138,13 @@ class CPUOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         blocks = self._blocks
+        statuses = list(map(blocks.get, keys))
+        if None not in statuses:
+            refs = list(map(_ref, statuses))
+            if (not refs or min(refs) > 0) and len(set(map(id, statuses))) == len(statuses):
+                self._pinned -= refs.count(1)
+                deque(map(setattr, statuses, repeat("ref"), map(_minus_one, refs)), maxlen=0)
+                return
         unpinned: list[BlockStatus] = []
         for key in keys:
             status = blocks.get(key)
@@ -140,10 +161,10 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         blocks = self._blocks
-        new_keys = [key for key in dict.fromkeys(keys) if key not in blocks]
+        new_keys = list(filterfalse(blocks.__contains__, dict.fromkeys(keys)))
         policy = self.policy
         if not policy.admits_all:
-            new_keys = [key for key in new_keys if policy.admit(key)]
+            new_keys = list(filter(policy.admit, new_keys))
         free = self._free
         available = self.num_blocks - self._next_unused + len(free)
         shortfall = len(new_keys) - available
@@ -157,8 +178,7 @@ class CPUOffloadingManager(OffloadingManager):
             if victims is None:
                 return None
             evicted = victims
-            for key in victims:
-                free.append(blocks.pop(key).slot)
+            free += map(_slot, map(blocks.pop, victims))
             self._evictions += len(victims)
             if self.enable_events:
                 self._events.append(OffloadingEvent(list(victims), self.medium, True))
@@ -168,7 +188,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._next_unused += fresh
         reused = len(new_keys) - fresh
         if reused:
-            slots.extend(reversed(free[-reused:]))
+            slots += free[: -reused - 1 : -1]
             del free[-reused:]
         statuses = list(map(BlockStatus, slots))
         self._in_flight += len(statuses)
@@ -178,6 +198,18 @@ class CPUOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         blocks = self._blocks
+        statuses = list(map(blocks.get, keys))
+        if (
+            success
+            and None not in statuses
+            and list(map(_ref, statuses)).count(-1) == len(statuses)
+            and len(set(map(id, statuses))) == len(statuses)
+        ):  # the common case, all in flight and distinct: C loops only
+            deque(map(setattr, statuses, repeat("ref"), repeat(0)), maxlen=0)
+            self._in_flight -= len(statuses)
+            if statuses and self.enable_events:
+                self._events.append(OffloadingEvent(list(keys), self.medium, False))
+            return
         done = []
         for key in keys:
             status = blocks.get(key)

@@ -219,3 +219,32 @@ def test_declined_keys_are_left_out_of_the_store():
     assert out.store_spec.block_ids.tolist() == [0, 1]
     m.complete_store(out.keys_to_store)
     assert m.lookup(k(2)) is LookupResult.MISS and m.lookup(k(3)) is LookupResult.HIT
+
+
+def test_batch_paths_keep_the_per_key_answers():
+    # lookup_prefix, loads and stores take whole batches at once where they can; the
+    # batches that cannot (a pending key, a miss after a pending one, duplicates, a
+    # store named twice) get the per-key answers
+    m = CPUOffloadingManager(8, enable_events=True)
+    store(m, 1, 2, 3)
+    m.prepare_store(keys(4))
+    assert m.lookup_prefix(keys(1, 2, 4, 9)) == 2  # a pending key ends it: no miss counted
+    assert m.lookup_prefix(iter(keys(1, 2, 3))) == 3  # any iterable
+    assert m.lookup_prefix([]) == 0
+    assert (m.stats().hits, m.stats().misses) == (5, 0)
+    m.take_events()
+    m.complete_store(keys(4, 4))  # named twice: announced once
+    assert m.take_events() == [OffloadingEvent(keys(4), "CPU", False)]
+    assert m.stats().in_flight == 0
+    assert m.prepare_load(keys(1, 2)).block_ids.tolist() == [0, 1]
+    assert m.stats().pinned == 2
+    with pytest.raises(KeyError, match="no load was prepared"):
+        m.complete_load(keys(1, 3))  # 3 is not pinned: 1 stays pinned
+    assert m.stats().pinned == 2
+    m.complete_load(keys(2, 1))
+    assert m.stats().pinned == 0
+    out = m.prepare_store(keys(5, 6))
+    m.complete_store(out.keys_to_store + keys(5), success=False)  # 5 twice: freed once
+    assert m.stats().used == 4 and m.stats().in_flight == 0
+    # never-used slots, then the freed ones (4, 5 once each, then 0 of key 1, evicted) last first
+    assert m.prepare_store(keys(5, 6, 7, 8, 9)).store_spec.block_ids.tolist() == [6, 7, 0, 5, 4]

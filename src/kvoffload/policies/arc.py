@@ -15,8 +15,9 @@ else of T2; when the preferred list has nothing evictable it takes from the othe
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
+from itertools import repeat
 
 from kvoffload.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy, evictable_keys
@@ -38,6 +39,9 @@ class ARCPolicy(CachePolicy):
 
     def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
         b1, b2, t1, t2 = self._b1, self._b2, self._t1, self._t2
+        if not any(map(b1.__contains__, keys)) and not any(map(b2.__contains__, keys)):
+            t1.update(zip(keys, statuses))  # no ghost among them (C loops)
+            return
         for key, status in zip(keys, statuses):
             if key in b1:
                 del b1[key]
@@ -87,12 +91,10 @@ class ARCPolicy(CachePolicy):
             if len(from_t1) + len(from_t2) < n:
                 return None
         b1, b2 = self._b1, self._b2
-        for key in from_t1:
-            del t1[key]
-            b1[key] = None
-        for key in from_t2:
-            del t2[key]
-            b2[key] = None
+        deque(map(t1.__delitem__, from_t1), maxlen=0)  # C loops
+        b1.update(dict.fromkeys(from_t1))
+        deque(map(t2.__delitem__, from_t2), maxlen=0)
+        b2.update(dict.fromkeys(from_t2))
         _trim(b1, self.capacity)
         _trim(b2, self.capacity)
         return from_t1 + from_t2
@@ -104,5 +106,6 @@ class ARCPolicy(CachePolicy):
 
 
 def _trim(ghosts: OrderedDict[OffloadKey, None], bound: int) -> None:
-    while len(ghosts) > bound:
-        ghosts.popitem(last=False)
+    excess = len(ghosts) - bound
+    if excess > 0:  # the oldest ``excess`` ghosts, in a C loop
+        deque(map(ghosts.popitem, repeat(False, excess)), maxlen=0)

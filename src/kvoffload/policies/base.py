@@ -22,10 +22,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence, Set
+from itertools import islice
+from operator import attrgetter
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import RequestContext
 from kvoffload.validation import non_negative_int
+
+_ref = attrgetter("ref")
 
 
 class BlockStatus:
@@ -106,6 +110,15 @@ def evictable_keys(
     found: list[OffloadKey] = []
     if limit <= 0:
         return found
+    # The common case, the first ``limit`` keys all evictable, checked in C loops.
+    head = list(islice(order, limit))
+    if len(head) == limit and not any(map(_ref, map(order.__getitem__, head))):
+        if isinstance(protected, (set, frozenset)):
+            clear = protected.isdisjoint(head)
+        else:
+            clear = not any(map(protected.__contains__, head))
+        if clear:
+            return head
     for key, status in order.items():
         if status.ref == 0 and key not in protected:
             found.append(key)

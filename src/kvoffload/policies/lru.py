@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence, Set
-from itertools import islice, repeat
+from itertools import filterfalse, islice, repeat
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import RequestContext, prefix_order
@@ -64,17 +64,11 @@ class LRUPolicy(CachePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         order = self._order
-        move = order.move_to_end
+        resident = filter(order.__contains__, reversed(keys))
+        deque(map(order.move_to_end, resident), maxlen=0)  # deepest first, in C loops
         if not self._running:
-            for key in reversed(keys):
-                if key in order:
-                    move(key)
             return
-        absent = [key for key in keys if key not in order]
-        if len(absent) < len(keys):
-            for key in reversed(keys):
-                if key in order:
-                    move(key)
+        absent = list(filterfalse(order.__contains__, keys))
         if absent:
             reserved = self._reserved
             reserved.update(dict.fromkeys(absent, tuple(keys)))
@@ -94,8 +88,11 @@ class LRUPolicy(CachePolicy):
     ) -> None:
         self._running.discard(request.request_id)
         order = self._order
-        keys = reversed(prefix_order(request, key_groups))
-        deque(map(order.move_to_end, filter(order.__contains__, keys)), maxlen=0)
+        keys = prefix_order(request, key_groups)
+        try:  # every key still resident (the common case): no membership test
+            deque(map(order.move_to_end, reversed(keys)), maxlen=0)
+        except KeyError:  # moving them all again, in order, gives the same order
+            deque(map(order.move_to_end, filter(order.__contains__, reversed(keys))), maxlen=0)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
@@ -106,8 +103,7 @@ class LRUPolicy(CachePolicy):
         victims = evictable_keys(order, n, protected)
         if len(victims) < n:
             return None
-        for key in victims:
-            del order[key]
+        deque(map(order.__delitem__, victims), maxlen=0)
         return victims
 
     def clear(self) -> None:

@@ -11,6 +11,7 @@ tokens by source with it (vLLM 0.32's ``prompt_tokens_cached_by_source``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import itemgetter, lt
 
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_MOONCAKE, MEDIUM_REMOTE
 
@@ -55,12 +56,17 @@ def tokens_by_source(ranges: Iterable[tuple[int, int, str]], start: int, end: in
 
 def _one_medium(ranges: list[tuple[int, int, str]], medium: str, start: int, end: int) -> dict[str, int]:
     source = medium if medium in MEDIA_ORDER else UNKNOWN
-    covered, reach = 0, start
-    for lo, hi, _ in sorted(ranges):
-        lo, hi = max(lo, reach), min(hi, end)
-        if lo < hi:
-            covered += hi - lo
-            reach = hi
+    los, his = list(map(itemgetter(0), ranges)), list(map(itemgetter(1), ranges))
+    if los[1:] == his[:-1] and all(map(lt, los, his)):
+        # one run of adjacent keys in order (a load's keys of one group): C loops only
+        covered = max(0, min(his[-1], end) - max(los[0], start))
+    else:
+        covered, reach = 0, start
+        for lo, hi, _ in sorted(ranges):
+            lo, hi = max(lo, reach), min(hi, end)
+            if lo < hi:
+                covered += hi - lo
+                reach = hi
     counts = {source: covered} if covered else {}
     if end - start > covered:
         counts[UNKNOWN] = counts.get(UNKNOWN, 0) + end - start - covered

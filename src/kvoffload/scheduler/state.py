@@ -60,3 +60,7 @@ class RequestState:
     reused: set[OffloadKey] = field(default_factory=set)  # its completed loads' keys
     announced: bool = True  # on_new_request said, on_request_finished not yet
     load_sources: dict[str, int] = field(default_factory=dict)  # its last load's tokens per medium
+    # computed tokens from which its next store may be planned, and the ``stored_blocks``
+    # that bound was worked out from (``kvoffload.scheduler.stores``)
+    next_store: float = 0
+    next_store_from: list[int] = field(default_factory=list)

@@ -1,7 +1,12 @@
 """Step building and store planning: the ``StepPlan`` of each engine step.
 
-3. ``build_step(scheduled)``: returns the ``StepPlan``: planned loads, and stores of every
-   offloaded block whose tokens are computed once this step has run.
+3. ``build_step(scheduled, preempted, running)``: returns the ``StepPlan``: planned loads,
+   and stores of every offloaded block whose tokens are computed once this step has run.
+   ``running`` is the cheap form of a ``StepRequest`` for the bulk of a decode step:
+   ``(req_id, num_computed_tokens)`` of a request that got no new device blocks, no
+   states and no replaced block table; a request is looked at further only once its
+   computed tokens reach its next offloaded block's end (so a step of a thousand
+   decoding requests costs a dict lookup and a comparison for most of them).
 
 Reuse filter: with ``store_threshold=n > 1`` a block is offered for storing only once
 ``n`` requests asked for it (``kvoffload.scheduler.reuse``); the blocks held back are
@@ -12,17 +17,37 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from kvoffload.keys import OffloadKey
 from kvoffload.scheduler.base import SchedulerBase
 from kvoffload.scheduler.state import RequestState
 from kvoffload.scheduler.types import StepPlan, StepRequest, TransferJob
 from kvoffload.specs import DeviceLoadStoreSpec
 
+_NEVER = float("inf")
+
+
+def _device_spec(block_ids: list[int], sizes: list[int], indices: list[int]) -> DeviceLoadStoreSpec:
+    """``DeviceLoadStoreSpec(block_ids, sizes, indices)`` without its checks of outside
+    input (about 20 us, most of a one-block store's planning on the engine's step): the
+    lists built above are non-negative ints whose sizes add up to the ids."""
+    spec = DeviceLoadStoreSpec.__new__(DeviceLoadStoreSpec)
+    spec.block_ids = np.array(block_ids, dtype=np.int64)
+    spec.group_sizes = np.array(sizes, dtype=np.int64)
+    spec.block_indices = np.array(indices, dtype=np.int64)
+    return spec
+
 
 class Stores(SchedulerBase):
     """``build_step`` of the ``OffloadingScheduler``."""
 
-    def build_step(self, scheduled: Iterable[StepRequest], preempted: Iterable[str] = ()) -> StepPlan:
+    def build_step(
+        self,
+        scheduled: Iterable[StepRequest],
+        preempted: Iterable[str] = (),
+        running: Iterable[tuple[str, int]] = (),
+    ) -> StepPlan:
         plan = StepPlan(loads=self._pending_loads)
         self._pending_loads = []
         for transfer in self.manager.take_transfers():
@@ -40,7 +65,27 @@ class Stores(SchedulerBase):
                 else:
                     for ids, new in zip(state.block_ids, step.new_block_ids):
                         ids.extend(new)
+            elif (
+                not step.states
+                and step.num_computed_tokens < state.next_store
+                and state.stored_blocks == state.next_store_from
+            ):
+                continue  # nothing new to store (as for ``running``)
             job = self._plan_store(step.req_id, state, step.num_computed_tokens, step.states)
+            if job is not None:
+                plan.stores.append(job)
+        requests = self._requests
+        for req_id, computed in running:
+            state = requests.get(req_id)
+            if state is None:
+                continue
+            if computed > state.computed_tokens:
+                state.computed_tokens = computed
+            # a store is possible only past the next block's end (with the counts it was
+            # worked out from unchanged)
+            if computed < state.next_store and state.stored_blocks == state.next_store_from:
+                continue
+            job = self._plan_store(req_id, state, computed)
             if job is not None:
                 plan.stores.append(job)
         for req_id in preempted:
@@ -109,7 +154,9 @@ class Stores(SchedulerBase):
                 if self.null_block_id not in device[j * f : (j + 1) * f]
             ]
             state.stored_blocks[g] = end
-        candidates.sort(key=lambda c: c[0])  # group-major, as the host spec lists host blocks
+        self._next_store(state)
+        if len(self._offloaded) > 1:
+            candidates.sort(key=lambda c: c[0])  # group-major, as the host spec lists host blocks
         if self._reuse.active:
             allowed = [c for c in candidates if self._reuse.allows(c[2])]
             self.stats.skipped_stores += len(candidates) - len(allowed)
@@ -142,7 +189,25 @@ class Stores(SchedulerBase):
         job = self._new_job(req_id, True, keys)
         for block in fenced:
             self._fenced.setdefault(block, set()).add(job)
-        return TransferJob(job, req_id, True, DeviceLoadStoreSpec(device_ids, sizes, indices), out.store_spec)
+        return TransferJob(job, req_id, True, _device_spec(device_ids, sizes, indices), out.store_spec)
+
+    def _next_store(self, state: RequestState) -> None:
+        """The computed tokens below which ``_plan_store`` of a request that only ran finds
+        nothing new: the end of its next offloaded block in any group (never, with
+        ``offload_prompt_only``, past the prompt). A lower bound: crossing it only means
+        looking."""
+        stored = state.stored_blocks
+        prompt = state.request.num_prompt_tokens
+        ends = []
+        for g in self._offloaded:
+            group = self.groups[g]
+            if group.is_state:  # states come with their step (StepRequest.states)
+                continue
+            end = (stored[g] + 1) * self._tokens[g]
+            if not (self.offload_prompt_only and end > prompt):
+                ends.append(end)
+        state.next_store = min(ends, default=_NEVER)
+        state.next_store_from = list(stored)
 
     def _reserve(self, candidates: list[tuple[int, int, OffloadKey, Sequence[int]]]):
         """``prepare_store`` of the candidates, or of the leading part by token position

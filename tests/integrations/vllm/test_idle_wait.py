@@ -96,7 +96,7 @@ def test_the_scheduler_marks_steps_without_tokens_and_the_connector_passes_it_on
     from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 
     side = SimpleNamespace(
-        scheduler=SimpleNamespace(build_step=lambda steps, preempted: StepPlan()),
+        scheduler=SimpleNamespace(build_step=lambda steps, preempted, running=(): StepPlan()),
         _sync_requests=set(),
         _sync_bytes=0.0,
     )

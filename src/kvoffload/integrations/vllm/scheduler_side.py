@@ -151,18 +151,26 @@ class SchedulerSide:
         # block table (resumed_req_ids); 0.34 sends it among the new ones, whose block
         # tables always replace what was known
         resumed = getattr(cached, "resumed_req_ids", ())
-        for i, req_id in enumerate(cached.req_ids):
+        scheduled = out.num_scheduled_tokens
+        # a request that only ran (most of a decode step) goes as (id, computed tokens)
+        running = []
+        for req_id, new_ids, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            if new_ids is None and req_id not in resumed and req_id not in states:
+                running.append((req_id, computed + scheduled.get(req_id, 0)))
+                continue
             steps.append(
                 StepRequest(
                     req_id,
-                    cached.new_block_ids[i],
-                    cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0),
+                    new_ids,
+                    computed + scheduled.get(req_id, 0),
                     req_id in resumed,
                     states.pop(req_id, ()),
                 )
             )
         steps += [StepRequest(req_id, None, 0, states=handed) for req_id, handed in states.items()]
-        plan = self.scheduler.build_step(steps, out.preempted_req_ids or ())
+        plan = self.scheduler.build_step(steps, out.preempted_req_ids or (), running)
         if plan.loads or plan.stores or plan.transfers or plan.flush or plan.hold_blocks:
             self.changes += 1
         sync = frozenset(job.job_id for job in plan.loads if job.req_id in self._sync_requests)
