@@ -9,10 +9,20 @@ filler prompts of the same length push P out of the CPU tier (see the comment in
 ``run_tier``); the engine's own prefix cache is reset; (b) P again: its prefix comes from
 the tier below (promoted into the CPU tier, then loaded). Rounds interleave (a) and (b)
 so load drifts hit both. The Redis server is started here on loopback (no persistence)
-and stopped by its PID. (b) includes the promotion's extra scheduler step(s); for the
-shared tier the blocks are this engine's own (known to its index: no probe round trip).
+and stopped by its PID. For the shared tier the blocks are this engine's own (known to
+its index: no probe round trip).
+
+Two paths for (b), alternating within each round on the same engine (each with its own
+prompt): ``chained`` (the default: the load is planned in the step that plans the
+promotion, and the worker starts it when the promotion finished) and ``two-step`` (the
+scheduler's ``chain_promotions`` off: the promotion's outcome comes back first, the load
+is planned in a later step). Printed per tier and path: median TTFT, its ratio to the
+same run's recompute, the ratio chained / two-step, the best round and its ratio, and
+the engine steps the hit took (median; a step is one ``build_connector_meta``); then
+every round's TTFT and steps, in the order run.
 
     .venv/bin/python bench/bench_tier_ttft.py [--rounds N] [--tokens N] [--model-dir DIR]
+        [--paths chained,two-step]
 """
 
 from __future__ import annotations
@@ -36,15 +46,36 @@ def start_redis(folder: str) -> tuple[subprocess.Popen, int]:
     return start_server(folder, port), port
 
 
-def run_tier(model: str, tier: dict, rounds: int, tokens: int) -> dict[str, list[float]]:
+PATHS = ("chained", "two-step")
+
+
+def run_tier(model: str, tier: dict, rounds: int, tokens: int, paths: list[str]) -> dict[str, list[float]]:
     from vllm import SamplingParams
 
-    from kvoffload.demo.offline import close_llm, kv_block_bytes, make_llm, settle, word_text
+    from kvoffload.demo.offline import (
+        close_llm,
+        kv_block_bytes,
+        make_llm,
+        scheduler_connector,
+        settle,
+        word_text,
+    )
 
     block = kv_block_bytes(model)
     llm = make_llm(model, kvoffload={"cpu_bytes_to_use": 140 * block, "secondary_tiers": [tier]})
     params = SamplingParams(temperature=0, max_tokens=1)
-    times: dict[str, list[float]] = {"recompute": [], "from the tier": [], "tokens cached": []}
+    times: dict[str, list[float]] = {"recompute": []}
+    for path in paths:
+        times |= {path: [], f"{path} cached": [], f"{path} steps": []}
+    side = scheduler_connector(llm)._scheduler
+    steps = [0]
+    build = side.build_connector_meta
+
+    def counted(out):  # the engine's steps, for the steps a hit takes
+        steps[0] += 1
+        return build(out)
+
+    side.build_connector_meta = counted
 
     def ttft(text: str) -> tuple[float, int]:
         out = llm.generate([text], params, use_tqdm=False)[0]
@@ -55,25 +86,33 @@ def run_tier(model: str, tier: dict, rounds: int, tokens: int) -> dict[str, list
         for _ in range(3):
             settle(llm)
         for r in range(rounds):
-            text = word_text(2000 + r, tokens)
-            seconds, _ = ttft(text)
-            times["recompute"].append(seconds)
-            for _ in range(3):  # P's write-through done: its CPU copies unpinned, evictable
-                settle(llm)
-            # Two fillers: the first one's steps hand out P's write-through (an idle engine
-            # runs no scheduler step, so tier transfers wait for the next request), the
-            # second one's store evicts P from the CPU tier once that copy is done.
-            for filler in (5000, 6000):
-                ttft(word_text(filler + r, tokens))
-                for _ in range(3):
+            # alternate which path goes first, so drifts within a round hit both
+            for path in paths if r % 2 == 0 else paths[::-1]:
+                seed = len(paths) * r + paths.index(path)
+                text = word_text(2000 + seed, tokens)
+                seconds, _ = ttft(text)
+                times["recompute"].append(seconds)
+                for _ in range(3):  # P's write-through done: its CPU copies unpinned, evictable
                     settle(llm)
-            if not llm.reset_prefix_cache():
-                raise RuntimeError("the engine's prefix cache could not be reset")
-            seconds, hit = ttft(text)
-            if hit == 0:
-                raise RuntimeError(f"round {r}: nothing came from the {tier['type']} tier")
-            times["from the tier"].append(seconds)
-            times["tokens cached"].append(hit)
+                # Two fillers: the first one's steps hand out P's write-through (an idle
+                # engine runs no scheduler step, so tier transfers wait for the next
+                # request), the second one's store evicts P from the CPU tier once that
+                # copy is done.
+                for filler in (5000, 6000):
+                    ttft(word_text(filler + seed, tokens))
+                    for _ in range(3):
+                        settle(llm)
+                if not llm.reset_prefix_cache():
+                    raise RuntimeError("the engine's prefix cache could not be reset")
+                side.scheduler.chain_promotions = path == "chained"
+                steps[0] = 0
+                seconds, hit = ttft(text)
+                if hit == 0:
+                    raise RuntimeError(f"round {r}: nothing came from the {tier['type']} tier")
+                times[path].append(seconds)
+                times[f"{path} cached"].append(hit)
+                times[f"{path} steps"].append(steps[0])
+                side.scheduler.chain_promotions = True
     finally:
         close_llm(llm)
     return times
@@ -84,7 +123,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--model-dir", default=".cache/tiny-llama")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {PATHS}")
     args = parser.parse_args()
+    paths = args.paths.split(",")
+    if not paths or any(path not in PATHS for path in paths) or len(set(paths)) != len(paths):
+        parser.error(f"--paths must name some of {PATHS} once each, got {args.paths!r}")
 
     from kvoffload.demo.offline import kv_block_bytes
     from kvoffload.demo.tiny_model import build_tiny_llama
@@ -96,22 +139,36 @@ def main() -> int:
     try:
         block = kv_block_bytes(model)
         fs = {"type": "fs", "root_dir": os.path.join(folder, "disk"), "bytes_to_use": 400 * (block + 4096)}
-        results["fs (local disk)"] = run_tier(model, fs, args.rounds, args.tokens)
+        results["fs (local disk)"] = run_tier(model, fs, args.rounds, args.tokens, paths)
         redis = {"type": "redis", "url": f"redis://127.0.0.1:{port}/0"}
-        results["redis (shared)"] = run_tier(model, redis, args.rounds, args.tokens)
+        results["redis (shared)"] = run_tier(model, redis, args.rounds, args.tokens, paths)
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
     print(f"prompt {args.tokens} tokens, tiny Llama (4 layers, hidden 256, float32), {args.rounds} rounds")
     print()
-    print("| tier | recompute TTFT ms (median) | tier-hit TTFT ms (median) | ratio | tokens cached |")
-    print("|---|---:|---:|---:|---:|")
+    print("| tier | path | recompute TTFT ms (median) | tier-hit TTFT ms (median) | / recompute | / two-step "
+          "| tier-hit ms (best) | best / two-step | steps (median) | tokens cached |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, times in results.items():
         a = statistics.median(times["recompute"]) * 1e3
-        b = statistics.median(times["from the tier"]) * 1e3
-        cached = "/".join(str(int(n)) for n in times["tokens cached"])
-        print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f} | {cached} |")
+        base = statistics.median(times["two-step"]) * 1e3 if "two-step" in times else None
+        best_base = min(times["two-step"]) * 1e3 if "two-step" in times else None
+        for path in paths:
+            b = statistics.median(times[path]) * 1e3
+            best = min(times[path]) * 1e3
+            versus = f"{b / base:.2f}" if base else "-"
+            best_versus = f"{best / best_base:.2f}" if best_base else "-"
+            cached = "/".join(sorted({str(int(n)) for n in times[f"{path} cached"]}))
+            step_count = statistics.median(times[f"{path} steps"])
+            row = f"| {name} | {path} | {a:.1f} | {b:.1f} | {b / a:.2f} | {versus} | {best:.1f}"
+            print(f"{row} | {best_versus} | {step_count:g} | {cached} |")
+    print()
+    for name, times in results.items():  # every round, in the order run
+        for path in paths:
+            each = " ".join(f"{t * 1e3:.1f}" for t in times[path])
+            print(f"{name}, {path}: {each} ms; steps {' '.join(str(n) for n in times[f'{path} steps'])}")
     return 0
 
 

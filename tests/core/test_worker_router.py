@@ -93,3 +93,80 @@ def test_close_closes_every_worker_and_refuses_later_jobs(setup):
         router.submit(1, device_spec([0]), CPULoadStoreSpec([0]))
     with pytest.raises(RuntimeError, match="after close"):
         engine.submit(1, device_spec([0]), CPULoadStoreSpec([0]))
+
+
+# -- a load chained on a promotion: held until the promotion's bytes arrived ----------------
+
+
+def promoted_rows(pool, slot, shelf, value):
+    """Shelf slot ``slot`` holds a block whose every byte is ``value``."""
+    shelf.shelf[slot] = [bytes([value]) * t[0].numel() * t.element_size() for t in pool.tensors]
+
+
+def device_bytes(layout, block):
+    return layout.tensors[0][block].contiguous().view(torch.uint8)
+
+
+def test_a_load_of_blocks_being_promoted_waits_for_the_promotion(setup):
+    layout, pool, engine, shelf, router = setup
+    promoted_rows(pool, 9, shelf, 7)
+    router.submit(1, ShelfSpec([9]), CPULoadStoreSpec([3]))  # held by the shelf until release
+    router.submit(2, CPULoadStoreSpec([3]), device_spec([1]))  # reads what job 1 writes
+    with pytest.raises(TimeoutError, match=r"jobs \[2\] still wait for promotions \[1\]"):
+        router.wait([2], timeout=0.05)
+    assert router.poll() == []
+    assert not bool((device_bytes(layout, 1) == 7).all())
+    shelf.release.set()
+    router.wait([2])
+    assert bool((device_bytes(layout, 1) == 7).all())  # the promoted bytes, not what was there
+    assert [(r.job_id, r.success) for r in router.poll()] == [(1, True), (2, True)]
+
+
+def test_a_failed_promotion_fails_the_load_without_running_it(setup):
+    layout, pool, engine, shelf, router = setup
+    promoted_rows(pool, 9, shelf, 7)
+    pool.tensors[0][3].fill_(5)  # what host block 3 held before: a load that ran would copy it
+    before = layout.tensors[0][1].clone()
+    shelf.fail_reads = True
+    router.submit(1, ShelfSpec([9]), CPULoadStoreSpec([3]))
+    router.submit(2, CPULoadStoreSpec([3]), device_spec([1]))
+    shelf.release.set()
+    router.wait([2])
+    results = {r.job_id: r for r in router.poll()}
+    assert not results[1].success and not results[2].success
+    assert "promotion 1 of its source blocks failed: checksum mismatch" in results[2].error
+    assert torch.equal(layout.tensors[0][1], before)  # never ran
+
+
+def test_a_poll_that_sees_the_promotion_finish_starts_the_load(setup):
+    layout, pool, engine, shelf, router = setup
+    promoted_rows(pool, 9, shelf, 9)
+    router.submit(1, ShelfSpec([9]), CPULoadStoreSpec([3]))
+    router.submit(2, CPULoadStoreSpec([3]), device_spec([1]))
+    shelf.release.set()
+    shelf.wait([1])  # the promotion finished (the router has not looked yet)
+    assert [(r.job_id, r.success) for r in router.poll()] == [(1, True)]
+    engine.wait([2])  # started by that poll: now the host engine's job
+    assert [(r.job_id, r.success) for r in router.poll()] == [(2, True)]
+    assert bool((device_bytes(layout, 1) == 9).all())
+
+
+def test_a_load_of_other_blocks_is_not_held(setup):
+    layout, pool, engine, shelf, router = setup
+    promoted_rows(pool, 9, shelf, 7)
+    router.submit(1, ShelfSpec([9]), CPULoadStoreSpec([3]))  # held
+    router.submit(2, CPULoadStoreSpec([0, 1]), DeviceLoadStoreSpec([4, 5], [2, 0, 0, 0], [0, 0, 0, 0]))
+    router.wait([2], timeout=30)  # runs while the promotion waits
+    assert [(r.job_id, r.success) for r in router.poll()] == [(2, True)]
+    shelf.release.set()
+
+
+def test_close_fails_a_load_still_held(setup):
+    layout, pool, engine, shelf, router = setup
+    promoted_rows(pool, 9, shelf, 7)
+    router.submit(1, ShelfSpec([9]), CPULoadStoreSpec([3]))
+    router.submit(2, CPULoadStoreSpec([3]), device_spec([1]))
+    router.close()  # the shelf finishes job 1 as it closes; job 2 cannot start any more
+    results = {r.job_id: r for r in router.poll()}
+    assert results[1].success and not results[2].success
+    assert "closed" in results[2].error

@@ -1,6 +1,7 @@
 """The scheduler over a tiered manager: transfers between tiers ride in the step plan,
 their outcomes reach the manager, and a prefix below the CPU tier is promoted in one batch
-and then loaded as usual."""
+and then loaded as usual (here the two-step path, ``chain_promotions`` off; loads chained
+on their promotion: ``test_scheduler_chained.py``)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from scheduler_requests import Req, run_prefill
 from shelf_tier import Shelf
 
 
-def make(cpu=4, shelf=16):
+def make(cpu=4, shelf=16, chain=False):
     primary = CPUOffloadingManager(cpu, "lru", enable_events=True)
     secondary = Shelf(shelf, "lru", enable_events=True)
     tiered = TieredOffloadingManager(primary, [secondary])
-    return primary, secondary, OffloadingScheduler(tiered, [KVGroup(4)], hash_block_size=4)
+    sched = OffloadingScheduler(tiered, [KVGroup(4)], hash_block_size=4)
+    sched.chain_promotions = chain
+    return primary, secondary, sched
 
 
 def complete(sched, jobs, success=True):
@@ -80,6 +83,7 @@ def test_secondary_tier_events_are_self_described_with_vllm_storage_fields():
     primary = CPUOffloadingManager(2, "lru", enable_events=True)
     disk = DiskShelf(8, "lru", enable_events=True)
     sched = OffloadingScheduler(TieredOffloadingManager(primary, [disk]), [KVGroup(4)], hash_block_size=4)
+    sched.chain_promotions = False
     a = Req("a", list(range(9)))
     run_prefill(sched, a, [[1, 2, 3]])
     (cpu_stored,) = sched.take_events()

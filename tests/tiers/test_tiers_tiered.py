@@ -194,3 +194,64 @@ def test_tiers_need_distinct_media():
     primary = CPUOffloadingManager(2)
     with pytest.raises(ValueError, match=r"own medium, got \['CPU', 'CPU'\]"):
         TieredOffloadingManager(primary, [CPUOffloadingManager(2)])
+
+
+# -- loads chained on promotions (kvoffload.tiers.chained) ---------------------------------
+
+
+def below(cpu, n, shelf=64):
+    """A tiered manager whose keys 1..n are in the secondary only."""
+    primary, secondary, tiered = make(cpu=cpu, shelf=shelf)
+    for k in range(1, n + 1):
+        store(tiered, keys(k))
+        finish(tiered, tiered.take_transfers())
+    filler = list(range(100, 100 + cpu))
+    store(tiered, keys(*filler))  # evicts them from the primary
+    finish(tiered, tiered.take_transfers())
+    assert all(primary.state(k) is None for k in keys(*range(1, n + 1)))
+    return primary, secondary, tiered
+
+
+def test_promote_now_plans_the_asked_promotions_for_this_step_and_a_load_reads_their_slots():
+    primary, secondary, tiered = below(cpu=4, n=2)
+    ks = keys(1, 2)
+    assert [tiered.lookup(k) for k in ks] == [PENDING, PENDING]
+    tiered.promote_now(ks)
+    assert [primary.state(k) for k in ks] == [-1, -1]  # slots reserved now, being written
+    assert tiered.chain_prefix(ks) == (2, False)
+    spec, waiting = tiered.prepare_chained_load(ks)
+    (promotion,) = tiered.take_transfers()  # handed out by this step's take_transfers
+    assert spec.block_ids.tolist() == promotion.dst_spec.block_ids.tolist()
+    assert waiting == {promotion.token: ks}
+    assert tiered.load_source(ks[0]) == "SHELF"
+    finish(tiered, [promotion])
+    assert [primary.state(k) for k in ks] == [0, 0]  # loadable; the caller pins for its load
+    assert tiered.load_source(ks[1]) == "SHELF" and tiered.load_source(ks[0]) == "CPU"
+
+
+def test_chain_prefix_stops_at_a_declined_key_and_waits_for_a_store_in_flight():
+    primary, secondary, tiered = below(cpu=2, n=4)
+    ks = keys(1, 2, 3, 4)
+    assert [tiered.lookup(k) for k in ks] == [PENDING] * 4
+    tiered.promote_now(ks)  # room for two
+    assert tiered.chain_prefix(ks) == (2, False)  # 3 is declined: a miss, load the two
+    primary, secondary, tiered = make()
+    pending = keys(50)
+    assert primary.prepare_store(pending) is not None  # a store into the primary in flight
+    assert tiered.chain_prefix(pending) == (0, True)
+
+
+def test_a_chained_load_pins_what_is_loadable_and_a_failed_promotion_pins_nothing():
+    primary, secondary, tiered = below(cpu=4, n=2)
+    store(tiered, keys(7))
+    finish(tiered, tiered.take_transfers())
+    ks = keys(7, 1, 2)
+    assert [tiered.lookup(k) for k in ks] == [HIT, PENDING, PENDING]
+    tiered.promote_now(ks)
+    spec, waiting = tiered.prepare_chained_load(ks)
+    assert [primary.state(k) for k in ks] == [1, -1, -1]
+    (promotion,) = tiered.take_transfers()
+    finish(tiered, [promotion], success=False)
+    assert [primary.state(k) for k in ks] == [1, None, None]  # freed, never loadable
+    assert [secondary.state(k) for k in keys(1, 2)] == [None, None]  # dropped below
+    assert primary.stats().in_flight == 0

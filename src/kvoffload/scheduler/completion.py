@@ -1,6 +1,10 @@
 """Completion and ends: job outcomes, finished requests, the tier's events and reset.
 
 4. ``complete_jobs(results)``: completes loads (unpin) and stores (loadable, or rolled back).
+   A promotion's success pins the keys of the loads still chained on it
+   (``kvoffload.scheduler.chains``); a chained load unpins only what was pinned, so the
+   two may be reported in either order (several workers report a load in the call that
+   completes its promotion, in any order).
 5. ``request_finished(req_id)`` (finished or aborted): ``True`` when the engine must hold
    the request's device blocks until its jobs complete (listed in the next plan's
    ``hold_blocks``); ``take_freeable()`` then names the requests whose blocks may be freed.
@@ -38,6 +42,9 @@ class Completion(SchedulerBase):
                 self.manager.complete_transfer(job.token, success)
                 if not success:
                     self.stats.failed_tier_transfers += 1
+                if self._chains:
+                    for keys in self._chains.promoted(job.token, success).values():
+                        self.manager.prepare_load(keys)  # loadable now: pinned for its load
             elif job.is_store:
                 self.manager.complete_store(job.keys, success)
                 if success:
@@ -48,7 +55,9 @@ class Completion(SchedulerBase):
                     self.stats.failed_stores += 1
                     self._events.forget(job.keys)
             else:
-                self.manager.complete_load(job.keys)
+                self.manager.complete_load(
+                    self._chains.pinned(job_id, job.keys) if self._chains else job.keys
+                )
                 if success:
                     self.stats.blocks_loaded += len(job.keys)
                     if state is not None:
@@ -75,7 +84,9 @@ class Completion(SchedulerBase):
         for load in [job for job in self._pending_loads if job.req_id == req_id]:
             self._pending_loads.remove(load)
             job = self._jobs.pop(load.job_id)
-            self.manager.complete_load(job.keys)
+            self.manager.complete_load(
+                self._chains.pinned(load.job_id, job.keys) if self._chains else job.keys
+            )
             self.stats.tokens_loaded -= job.tokens
             self.stats.loads_planned -= 1
             for medium, count in state.load_sources.items():
@@ -120,6 +131,7 @@ class Completion(SchedulerBase):
             if job_id not in self._stale_jobs:
                 self._flush.setdefault(job.req_id, []).append(job_id)
         self._stale_jobs.update(self._jobs)
+        self._chains.clear()
         for state in self._requests.values():
             state.stored_blocks = [0] * len(self.groups)
             self._finish(state)  # no request's lifecycle spans a reset

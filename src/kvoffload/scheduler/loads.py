@@ -8,8 +8,16 @@
    engine's ``hints``) and touches the request's blocks, once.
    After a failed load of a request, always 0 for it: the engine recomputes, and a request
    is never sent round the same failing load twice.
+   Chained loads (``chain_promotions``, on by default, with a manager that offers them:
+   ``kvoffload.tiers.chained``): keys found below the CPU tier are promoted in this very
+   step and count as hits, so the load is planned in the step that plans the promotion
+   (one round trip instead of two); ``None`` only while a key must still be waited for
+   (a store in flight, a tier that cannot tell yet). Not for groups of states.
 2. ``on_allocated(req_id, block_ids, num_external_tokens)``: the engine allocated device
    blocks; a load of the matched blocks is planned (its keys pinned) for the next step.
+   A chained load's keys still being promoted are pinned when the promotion completes
+   (``kvoffload.scheduler.chains``); the worker runs the load after the promotion, and
+   fails it unrun when the promotion failed.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import LookupResult, RequestContext
 from kvoffload.scheduler.base import SchedulerBase
+from kvoffload.scheduler.chains import LoadChains
 from kvoffload.scheduler.sources import tokens_by_source
 from kvoffload.scheduler.state import RequestState
 from kvoffload.scheduler.types import RequestView, TransferJob
@@ -28,6 +37,13 @@ from kvoffload.specs import DeviceLoadStoreSpec
 
 class Loads(SchedulerBase):
     """``match``, ``on_allocated`` and ``load_sources`` of the ``OffloadingScheduler``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Loads chained on promotions (True: one round trip for a lower-tier hit; False:
+        # the promotion's outcome first, the load in a later step)
+        self.chain_promotions = True
+        self._chains = LoadChains()
 
     # -- matching ----------------------------------------------------------------------
 
@@ -53,6 +69,8 @@ class Loads(SchedulerBase):
         # The engine must compute at least one prompt token itself.
         limit = request.num_prompt_tokens - 1
         hit_tokens = limit
+        chain = self.chain_promotions and getattr(self.manager, "chain_prefix", None)
+        waited: list[tuple[int, int, list[OffloadKey]]] = []  # (group, start, keys looked up)
         for g in self._offloaded:
             if self.groups[g].is_state:
                 continue
@@ -61,23 +79,37 @@ class Loads(SchedulerBase):
             end = min(self._blocks.num_full(hashes, g), -(-limit // tokens))
             hits = start
             waiting = False
-            for j, key in enumerate(self._blocks.request_keys(state.keys[g], hashes, g, start, end), start):
+            keys = self._blocks.request_keys(state.keys[g], hashes, g, start, end)
+            looked = len(keys)
+            for j, key in enumerate(keys, start):
                 result = self.manager.lookup(key)
                 if result is LookupResult.HIT:
                     if not waiting:
                         hits += 1
                     continue
                 if result is LookupResult.MISS:
+                    looked = j - start
                     break
-                # PENDING or RETRY: ask again next step. Looking on lets a tiered manager
-                # promote the rest of the prefix in the same batch. A block being promoted
-                # is announced by the CPU tier when it lands: say what it holds.
+                # PENDING or RETRY: ask again next step (or chain a load on the promotion).
+                # Looking on lets a tiered manager promote the rest of the prefix in the
+                # same batch. A block being promoted is announced by the CPU tier when it
+                # lands: say what it holds.
                 waiting = True
                 if result is LookupResult.PENDING and not self._events.knows(key):
                     self._remember(state, hashes, g, j, key)
             if waiting:
-                return None
+                if not chain:
+                    return None
+                waited.append((g, start, keys[:looked]))
+                continue
             hit_tokens = min(hit_tokens, hits * tokens)
+        if waited:
+            self.manager.promote_now([key for _, _, keys in waited for key in keys])
+            for g, start, keys in waited:
+                count, wait = chain(keys)
+                if wait:
+                    return None
+                hit_tokens = min(hit_tokens, (start + count) * self._tokens[g])
         for g in self._states:
             hit_tokens = self._state_hit(state, hashes, g, num_computed_tokens, hit_tokens)
             if hit_tokens is None:
@@ -168,7 +200,11 @@ class Loads(SchedulerBase):
             device_ids += ids
             sizes.append(len(ids))
             indices.append(first_device)
-        host_spec = self.manager.prepare_load(keys)
+        chained = getattr(self.manager, "prepare_chained_load", None)
+        if chained is not None:
+            host_spec, waiting = chained(keys)
+        else:
+            host_spec, waiting = self.manager.prepare_load(keys), None
         self.stats.tokens_loaded += num_external_tokens
         self.stats.loads_planned += 1
         source = self.manager.load_source
@@ -178,6 +214,8 @@ class Loads(SchedulerBase):
             self.tokens_by_source[medium] = self.tokens_by_source.get(medium, 0) + count
         job = self._new_job(req_id, False, keys)
         self._jobs[job].tokens = num_external_tokens
+        if waiting:
+            self._chains.add(job, waiting)
         self._pending_loads.append(
             TransferJob(job, req_id, False, host_spec, DeviceLoadStoreSpec(device_ids, sizes, indices))
         )

@@ -25,6 +25,7 @@ scheduler hands to the worker:
   ``DECLINE_STEPS`` steps, so the request goes on with what was promoted (the engine
   computes the rest) instead of waiting for room that may never come, and a later
   promotion cannot evict the blocks just promoted for it.
+* Loads chained on promotions (one scheduler round trip less): ``kvoffload.tiers.chained``.
 
 Lookups where every secondary keeps its index in memory: a key that no tier holds is a
 ``MISS`` at once, whatever was asked for it before (a promotion would find nothing), and a
@@ -66,6 +67,7 @@ from kvoffload.manager import (
     TierTransfer,
 )
 from kvoffload.specs import LoadStoreSpec
+from kvoffload.tiers.chained import ChainedLoads
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -89,7 +91,7 @@ class _Transfer:
     keys: list[OffloadKey]
 
 
-class TieredOffloadingManager(OffloadingManager):
+class TieredOffloadingManager(ChainedLoads, OffloadingManager):
     """``primary`` (the CPU tier) over ``secondaries``, fastest first."""
 
     def __init__(
@@ -112,7 +114,9 @@ class TieredOffloadingManager(OffloadingManager):
         self.medium = primary.medium
         self._admit = admit
         self._wanted: dict[OffloadKey, int] = {}  # key -> tier to promote it from
-        self._promoting: set[OffloadKey] = set()
+        self._promoting: dict[OffloadKey, int] = {}  # key -> token of the promotion writing it
+        self._planned: list[TierTransfer] = []  # promotions planned now (promote_now)
+        self._sourced: set[OffloadKey] = set()  # load_source answered while being promoted
         self._declined: dict[OffloadKey, int] = {}  # key -> step it was declined at
         self._step = 0
         self._writes: list[tuple[int, PrepareStoreOutput, LoadStoreSpec]] = []
@@ -221,6 +225,8 @@ class TieredOffloadingManager(OffloadingManager):
 
     def load_source(self, key: OffloadKey) -> str:
         tier = self._promoted_from.pop(key, None)
+        if tier is None and key in self._promoting:
+            tier = self._chained_source(key)
         return self.primary.medium if tier is None else self.secondaries[tier].medium
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
@@ -267,6 +273,9 @@ class TieredOffloadingManager(OffloadingManager):
         transfers = [self._new_transfer(False, index, out.keys_to_store, cpu, out.store_spec)
                      for index, out, cpu in self._writes]  # fmt: skip
         self._writes = []
+        if self._planned:
+            transfers += self._planned
+            self._planned = []
         if self._wanted:
             by_tier: dict[int, list[OffloadKey]] = {}
             for key, index in self._wanted.items():
@@ -302,8 +311,9 @@ class TieredOffloadingManager(OffloadingManager):
             # requests ask again next step and find what is left.
             self.primary.complete_store(out.keys_to_store, success=False)
             return None
-        self._promoting.update(out.keys_to_store)
-        return self._new_transfer(True, index, out.keys_to_store, source, out.store_spec)
+        transfer = self._new_transfer(True, index, out.keys_to_store, source, out.store_spec)
+        self._promoting.update(dict.fromkeys(out.keys_to_store, transfer.token))
+        return transfer
 
     def _new_transfer(
         self, promotion: bool, tier: int, keys: list[OffloadKey], src: LoadStoreSpec, dst: LoadStoreSpec
@@ -321,12 +331,12 @@ class TieredOffloadingManager(OffloadingManager):
         if transfer.promotion:
             tier.complete_load(transfer.keys)
             self.primary.complete_store(transfer.keys, success)
-            self._promoting.difference_update(transfer.keys)
+            keys = self._promoted(transfer.keys)
             if not success:
                 tier.discard(transfer.keys)
             else:
                 promoted = self._promoted_from
-                promoted.update(dict.fromkeys(transfer.keys, transfer.tier))
+                promoted.update(dict.fromkeys(keys, transfer.tier))
                 while len(promoted) > _PROMOTED_MEMORY:  # promoted, never loaded: forget the oldest
                     del promoted[next(iter(promoted))]
         else:
@@ -369,6 +379,8 @@ class TieredOffloadingManager(OffloadingManager):
             tier.reset()
         self._wanted.clear()
         self._promoting.clear()
+        self._planned.clear()
+        self._sourced.clear()
         self._declined.clear()
         self._writes.clear()
         self._transfers.clear()

@@ -35,6 +35,7 @@ from kvoffload.integrations.vllm.layout import build_layout, check_layout, host_
 from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.stats import WorkerMetrics
 from kvoffload.scheduler import StepPlan, TransferJob
+from kvoffload.specs import MEDIUM_CPU
 from kvoffload.tiers.factory import build_worker
 from kvoffload.transfer import KVLayout
 from kvoffload.worker import OffloadingWorker
@@ -97,12 +98,18 @@ class WorkerSide:
             self.worker.wait(jobs)
 
     def start_loads(self, plan: StepPlan, sync_loads: frozenset[int] = frozenset()) -> None:
-        """Submit the step's loads and transfers; the loads in ``sync_loads`` (their
-        requests run in this step) are waited for: a failure among them is reported by
-        its device blocks (``take_load_errors``), never as ``finished_recving``."""
+        """Submit the step's promotions, loads and other transfers, in that order: a load
+        the scheduler chained on a promotion (it reads host blocks the promotion fills) is
+        held by the worker until the promotion succeeded, and fails unrun if it did not
+        (``kvoffload.worker.WorkerRouter``); the promotion must be submitted first for
+        that. The loads in ``sync_loads`` (their requests run in this step) are waited
+        for, chained ones with their promotions: a failure among them is reported by its
+        device blocks (``take_load_errors``), never as ``finished_recving``."""
         for req_id, jobs in plan.hold_blocks.items():
             self._held[req_id] = set(jobs)
         self._sync_jobs.update(sync_loads)
+        promotions = [job for job in plan.transfers if job.dst_spec.medium == MEDIUM_CPU]
+        self._submit(promotions)
         self._submit(plan.loads)
         if sync_loads:
             waiting = [job for job in sync_loads if job in self._jobs]
@@ -110,7 +117,8 @@ class WorkerSide:
                 self.worker.wait(waiting, SYNC_STORES_TIMEOUT_S)
             except TimeoutError as exc:  # the step cannot run on KV that is not there
                 raise RuntimeError(f"kvoffload: loads of this step still copying: {exc}") from exc
-        self._submit(plan.transfers)  # between tiers: no device block, no hurry
+        if len(promotions) < len(plan.transfers):  # write-through: no device block, no hurry
+            self._submit([job for job in plan.transfers if job.dst_spec.medium != MEDIUM_CPU])
 
     def start_stores(self, plan: StepPlan) -> None:
         self._submit(plan.stores)
