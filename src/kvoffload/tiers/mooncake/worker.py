@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvoffload.counters import Counters
-from kvoffload.specs import MEDIUM_CPU, MEDIUM_MOONCAKE, CPULoadStoreSpec, LoadStoreSpec
+from kvoffload.specs import MEDIUM_CPU, MEDIUM_MOONCAKE, LoadStoreSpec
 from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.mooncake.names import MooncakeLoadStoreSpec, object_names
 from kvoffload.tiers.mooncake.store import (
@@ -65,6 +65,7 @@ from kvoffload.tiers.mooncake.store import (
     split_codes,
 )
 from kvoffload.tiers.redis.format import HEADER_BYTES, CorruptValue, KeyNames, check_head, crc32c, head
+from kvoffload.tiers.shared_store_jobs import check_job
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 
@@ -142,19 +143,15 @@ class MooncakeWorker(OffloadingWorker):
     # -- submission ----------------------------------------------------------------------
 
     def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        direction = _DIRECTIONS.get((src_spec.medium, dst_spec.medium))
-        if direction is None:
-            raise TypeError(f"MooncakeWorker does not move {src_spec.medium} -> {dst_spec.medium} jobs")
-        host, remote = (src_spec, dst_spec) if direction == STORE else (dst_spec, src_spec)
-        if not isinstance(host, CPULoadStoreSpec) or not isinstance(remote, MooncakeLoadStoreSpec):
-            raise TypeError(f"expected a CPU and a Mooncake spec, got {src_spec!r}, {dst_spec!r}")
-        host_ids = host.block_ids.tolist()
-        if len(host_ids) != len(remote.keys):
-            raise ValueError(f"{len(host_ids)} host blocks but {len(remote.keys)} keys in job {job_id}")
-        bad = [b for b in host_ids if not 0 <= b < self.host_pool.num_blocks]
-        if bad:
-            raise ValueError(f"host block id {bad[0]} out of range [0, {self.host_pool.num_blocks})")
-        keys = [bytes(key) for key in remote.keys]
+        direction, host_ids, keys = check_job(
+            "MooncakeWorker",
+            _DIRECTIONS,
+            MooncakeLoadStoreSpec,
+            job_id,
+            src_spec,
+            dst_spec,
+            self.host_pool.num_blocks,
+        )
         long = [k for k in keys if len(k) > MAX_KEY_BYTES]
         if long:
             raise ValueError(f"key of {len(long[0])} bytes is longer than {MAX_KEY_BYTES}: {long[0].hex()}")

@@ -54,13 +54,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvoffload.counters import Counters
-from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, CPULoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
+from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, LoadStoreSpec, RemoteLoadStoreSpec
 from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.redis.calls import NodeCalls, NodeDown
 from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode
 from kvoffload.tiers.redis.lanes import AVAILABLE as LANES_AVAILABLE
 from kvoffload.tiers.redis.lanes import Lane
 from kvoffload.tiers.redis.pipelines import get_into, set_nx
+from kvoffload.tiers.shared_store_jobs import check_job
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 
@@ -132,19 +133,15 @@ class RedisWorker(OffloadingWorker):
     # -- submission ----------------------------------------------------------------------
 
     def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        direction = _DIRECTIONS.get((src_spec.medium, dst_spec.medium))
-        if direction is None:
-            raise TypeError(f"RedisWorker does not move {src_spec.medium} -> {dst_spec.medium} jobs")
-        host, remote = (src_spec, dst_spec) if direction == STORE else (dst_spec, src_spec)
-        if not isinstance(host, CPULoadStoreSpec) or not isinstance(remote, RemoteLoadStoreSpec):
-            raise TypeError(f"expected a CPU and a remote spec, got {src_spec!r}, {dst_spec!r}")
-        host_ids = host.block_ids.tolist()
-        if len(host_ids) != len(remote.keys):
-            raise ValueError(f"{len(host_ids)} host blocks but {len(remote.keys)} keys in job {job_id}")
-        bad = [b for b in host_ids if not 0 <= b < self.host_pool.num_blocks]
-        if bad:
-            raise ValueError(f"host block id {bad[0]} out of range [0, {self.host_pool.num_blocks})")
-        keys = [bytes(key) for key in remote.keys]
+        direction, host_ids, keys = check_job(
+            "RedisWorker",
+            _DIRECTIONS,
+            RemoteLoadStoreSpec,
+            job_id,
+            src_spec,
+            dst_spec,
+            self.host_pool.num_blocks,
+        )
         self._jobs.begin(job_id)
         self._pool.submit(self._run, job_id, direction, host_ids, keys)
         return True
