@@ -70,3 +70,58 @@ def test_adopted_blocks_are_announced_neither_stored_nor_removed(redis_server): 
     finally:
         b.close()
         a.close()
+
+
+class _ScriptedLookups:
+    """The lookups' interface with answers the test posts and no store behind it: a
+    reconciliation asked for is recorded and never answered."""
+
+    down, outages = False, 0
+
+    def __init__(self) -> None:
+        self.posted: list = []
+        self.reconciles = 0
+
+    def has_answers(self) -> bool:
+        return bool(self.posted)
+
+    def answers(self) -> list:
+        out, self.posted = self.posted, []
+        return out
+
+    def reconcile(self, keys) -> None:
+        self.reconciles += 1
+
+    def probe(self, key) -> None:
+        pass
+
+    def delete(self, keys) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_store_back_from_an_outage_that_emptied_it_leaves_nothing_indexed_at_once() -> None:
+    """``lost`` (a Mooncake master restarted: it holds nothing) drops every idle indexed
+    block in the same call, announced removed, without waiting for a reconciliation's
+    answer; ``resync`` only asks for one."""
+    from kvoffload.manager import LookupResult
+    from kvoffload.tiers.mooncake.manager import MooncakeOffloadingManager
+    from kvoffload.tiers.shared_store_lookups import Answer
+
+    # after "lost" a key is unknown again: probed (RETRY) until the store answers
+    for kind, after in (("resync", LookupResult.HIT), ("lost", LookupResult.RETRY)):
+        lookups = _ScriptedLookups()
+        manager = MooncakeOffloadingManager(lookups, 8, enable_events=True)
+        keys = [bytes([i]) * 8 for i in range(3)]
+        out = manager.prepare_store(keys)
+        manager.complete_store(out.keys_to_store)
+        manager.take_events()
+        asked = lookups.reconciles
+        lookups.posted.append(Answer(kind, ()))
+        assert [manager.lookup(key) for key in keys] == [after] * 3, kind
+        assert lookups.reconciles == asked + 1  # a check of what is left is asked for either way
+        removed = [key for e in manager.take_events() if e.removed for key in e.keys]
+        assert sorted(removed) == (sorted(keys) if kind == "lost" else []), kind
+        assert manager.counters().gone == (3 if kind == "lost" else 0)
