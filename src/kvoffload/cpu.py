@@ -18,14 +18,15 @@ semantics beyond the base contract:
   ``prepare_store`` returns ``None`` at once, without asking the policy, when fewer idle
   blocks than it must evict exist.
 * ``on_new_request`` and ``on_request_finished`` are passed on to the policy.
+
+Its per-key work (the lookups of a prefix, pins and unpins, completions, new statuses, the
+slots of evictions) is one call each into ``kvoffload.policies.blocks``: C loops over its
+table where ``kvoffload.policies._blocks`` was built, the same in Python otherwise.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence, Set
-from itertools import filterfalse, repeat
-from operator import attrgetter
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import (
@@ -37,16 +38,19 @@ from kvoffload.manager import (
     TierStats,
 )
 from kvoffload.policies import BlockStatus, CachePolicy, resolve_policy
+from kvoffload.policies.blocks import absent as _absent
+from kvoffload.policies.blocks import complete as _complete
+from kvoffload.policies.blocks import lookup_prefix as _lookup_prefix
+from kvoffload.policies.blocks import pin as _pin
+from kvoffload.policies.blocks import release as _release
+from kvoffload.policies.blocks import reserve as _reserve
+from kvoffload.policies.blocks import unpin as _unpin
 from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.validation import non_negative_int
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.PENDING
-_slot = attrgetter("slot")
-_ref = attrgetter("ref")
-_plus_one = (1).__add__
-_minus_one = (-1).__add__
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -90,16 +94,9 @@ class CPUOffloadingManager(OffloadingManager):
         return _HIT
 
     def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
-        # C loops over the whole list: cheaper than a Python loop that stops early
-        statuses = list(map(self._blocks.get, keys))
-        end = statuses.index(None) if None in statuses else len(statuses)
-        refs = list(map(_ref, statuses[:end] if end < len(statuses) else statuses))
-        if refs and min(refs) < 0:  # a store in flight ends the prefix
-            count = refs.index(-1)
-        else:
-            count = end
-            self._misses += end < len(statuses)
+        count, missed = _lookup_prefix(self._blocks, keys)
         self._hits += count
+        self._misses += missed
         return count
 
     def count_lookups(self, hits: int, misses: int) -> None:
@@ -110,58 +107,35 @@ class CPUOffloadingManager(OffloadingManager):
     # -- loads -----------------------------------------------------------------------
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
-        blocks = self._blocks
-        statuses = list(map(blocks.get, keys))
-        if None not in statuses:
-            refs = list(map(_ref, statuses))
-            if (not refs or min(refs) >= 0) and len(set(map(id, statuses))) == len(statuses):
-                # the common case, distinct loadable keys: C loops only
-                self._pinned += refs.count(0)
-                deque(map(setattr, statuses, repeat("ref"), map(_plus_one, refs)), maxlen=0)
-                return CPULoadStoreSpec(list(map(_slot, statuses)))
-        pinned: list[BlockStatus] = []
-        for key in keys:
-            status = blocks.get(key)
-            if status is None or status.ref < 0:
-                for done in pinned:  # all or nothing
-                    done.ref -= 1
-                    self._pinned -= done.ref == 0
-                state = "absent" if status is None else "still being stored"
-                raise KeyError(f"cannot load key {key.hex()}: it is {state}, not a HIT")
-            self._pinned += status.ref == 0
-            status.ref += 1
-            pinned.append(status)
-        return CPULoadStoreSpec([status.slot for status in pinned])
+        pinned = _pin(self._blocks, keys)
+        if pinned is None:  # all or nothing: name the first key that is not a HIT
+            for key in keys:
+                status = self._blocks.get(key)
+                if status is None or status.ref < 0:
+                    state = "absent" if status is None else "still being stored"
+                    raise KeyError(f"cannot load key {key.hex()}: it is {state}, not a HIT")
+        slots, newly = pinned
+        self._pinned += newly
+        return CPULoadStoreSpec(slots)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.policy.touch(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
-        blocks = self._blocks
-        statuses = list(map(blocks.get, keys))
-        if None not in statuses:
-            refs = list(map(_ref, statuses))
-            if (not refs or min(refs) > 0) and len(set(map(id, statuses))) == len(statuses):
-                self._pinned -= refs.count(1)
-                deque(map(setattr, statuses, repeat("ref"), map(_minus_one, refs)), maxlen=0)
-                return
-        unpinned: list[BlockStatus] = []
-        for key in keys:
-            status = blocks.get(key)
-            if status is None or status.ref <= 0:
-                for done in unpinned:  # all or nothing
-                    self._pinned += done.ref == 0
-                    done.ref += 1
-                raise KeyError(f"cannot complete load of key {key.hex()}: no load was prepared")
-            status.ref -= 1
-            self._pinned -= status.ref == 0
-            unpinned.append(status)
+        idle = _unpin(self._blocks, keys)
+        if idle is None:  # all or nothing: name the first key (counting repeats) not pinned
+            left = {key: status.ref for key in keys if (status := self._blocks.get(key)) is not None}
+            for key in keys:
+                left[key] = left.get(key, 0) - 1
+                if left[key] < 0:
+                    raise KeyError(f"cannot complete load of key {key.hex()}: no load was prepared")
+        self._pinned -= idle
 
     # -- stores ----------------------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         blocks = self._blocks
-        new_keys = list(filterfalse(blocks.__contains__, dict.fromkeys(keys)))
+        new_keys = _absent(blocks, keys)
         policy = self.policy
         if not policy.admits_all:
             new_keys = list(filter(policy.admit, new_keys))
@@ -178,7 +152,7 @@ class CPUOffloadingManager(OffloadingManager):
             if victims is None:
                 return None
             evicted = victims
-            free += map(_slot, map(blocks.pop, victims))
+            _release(blocks, victims, free)
             self._evictions += len(victims)
             if self.enable_events:
                 self._events.append(OffloadingEvent(list(victims), self.medium, True))
@@ -190,41 +164,26 @@ class CPUOffloadingManager(OffloadingManager):
         if reused:
             slots += free[: -reused - 1 : -1]
             del free[-reused:]
-        statuses = list(map(BlockStatus, slots))
-        self._in_flight += len(statuses)
-        blocks.update(zip(new_keys, statuses))
-        policy.insert_many(new_keys, statuses)
+        self._in_flight += len(new_keys)
+        policy.insert_many(new_keys, _reserve(blocks, new_keys, slots))
         return PrepareStoreOutput(new_keys, CPULoadStoreSpec(slots), evicted)
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         blocks = self._blocks
-        statuses = list(map(blocks.get, keys))
-        if (
-            success
-            and None not in statuses
-            and list(map(_ref, statuses)).count(-1) == len(statuses)
-            and len(set(map(id, statuses))) == len(statuses)
-        ):  # the common case, all in flight and distinct: C loops only
-            deque(map(setattr, statuses, repeat("ref"), repeat(0)), maxlen=0)
-            self._in_flight -= len(statuses)
-            if statuses and self.enable_events:
-                self._events.append(OffloadingEvent(list(keys), self.medium, False))
+        if success:
+            done = _complete(blocks, keys)
+            self._in_flight -= len(done)
+            if done and self.enable_events:
+                self._events.append(OffloadingEvent(done, self.medium, False))
             return
-        done = []
         for key in keys:
             status = blocks.get(key)
             if status is None or status.ref != -1:
                 continue
             self._in_flight -= 1
-            if success:
-                status.ref = 0
-                done.append(key)
-            else:
-                del blocks[key]
-                self.policy.remove(key)
-                self._free.append(status.slot)
-        if done and self.enable_events:
-            self._events.append(OffloadingEvent(done, self.medium, False))
+            del blocks[key]
+            self.policy.remove(key)
+            self._free.append(status.slot)
 
     def discard(self, keys: Sequence[OffloadKey]) -> None:
         blocks = self._blocks

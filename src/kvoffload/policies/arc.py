@@ -10,17 +10,19 @@ key before storing it), which adapts ``p``; when such a key is stored again it e
 as the paper's "move x to the MRU of T2". A key touched while its store is in flight is
 not a second access: it stays in T1. Eviction takes the LRU end of T1 while ``|T1| > p``,
 else of T2; when the preferred list has nothing evictable it takes from the other.
+
+The four lists are ``kvoffload.policies.blocks.Order`` lists (a ghost keeps its old
+status, never read); ``touch``, ``insert_many`` and ``evict`` are one call each into them
+(C loops where ``kvoffload.policies._blocks`` was built).
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
-from itertools import repeat
 
 from kvoffload.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy, evictable_keys
+from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.policies.blocks import Order
 
 
 class ARCPolicy(CachePolicy):
@@ -29,83 +31,38 @@ class ARCPolicy(CachePolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.target_t1 = 0.0
-        self._t1: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self._t2: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._t1 = Order()  # least recent first (C lists where built)
+        self._t2 = Order()
+        self._t1_resident = self._t1.table  # key -> BlockStatus, for readers
+        self._t2_resident = self._t2.table
+        self._b1 = Order()  # ghosts: keys only (their statuses are not read again)
+        self._b2 = Order()
 
     def insert(self, key: OffloadKey, status: BlockStatus) -> None:
         self.insert_many((key,), (status,))
 
     def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
-        b1, b2, t1, t2 = self._b1, self._b2, self._t1, self._t2
-        if not any(map(b1.__contains__, keys)) and not any(map(b2.__contains__, keys)):
-            t1.update(zip(keys, statuses))  # no ghost among them (C loops)
-            return
-        for key, status in zip(keys, statuses):
-            if key in b1:
-                del b1[key]
-                t2[key] = status
-            elif key in b2:
-                del b2[key]
-                t2[key] = status
-            else:
-                t1[key] = status
+        self._t1.arc_insert(self._t2, self._b1, self._b2, keys, statuses)  # a ghost's key to T2
 
     def remove(self, key: OffloadKey) -> None:
-        if self._t1.pop(key, None) is None:
-            self._t2.pop(key, None)
+        if not self._t1.remove(key):
+            self._t2.remove(key)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        t1_get, t2_move = t1.get, t2.move_to_end
-        for key in reversed(keys):
-            status = t1_get(key)
-            if status is not None:
-                if status.ref >= 0:
-                    del t1[key]
-                    t2[key] = status
-                else:
-                    t1.move_to_end(key)
-            elif key in t2:
-                t2_move(key)
-            elif key in b1:
-                delta = max(1.0, len(b2) / len(b1))
-                self.target_t1 = min(self.target_t1 + delta, float(self.capacity))
-            elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
-                self.target_t1 = max(self.target_t1 - delta, 0.0)
+        # walking the keys backwards: T1's idle ones to T2's recent end, T1's in-flight ones
+        # and T2's to their list's recent end; ghost hits adapt the target, in that order
+        self.target_t1 = self._t1.arc_touch(
+            self._t2, self._b1, self._b2, keys, self.target_t1, float(self.capacity)
+        )
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        t1, t2 = self._t1, self._t2
-        if n > len(t1) + len(t2):
+        if n > len(self._t1) + len(self._t2):
             return None
-        # The paper takes from T1 while |T1| > p; each victim shrinks |T1| by one.
-        excess = len(t1) - self.target_t1
-        from_t1 = evictable_keys(t1, min(n, math.ceil(excess)) if excess > 0 else 0, protected)
-        from_t2 = evictable_keys(t2, n - len(from_t1), protected)
-        if len(from_t1) + len(from_t2) < n:
-            from_t1 = evictable_keys(t1, n - len(from_t2), protected)
-            if len(from_t1) + len(from_t2) < n:
-                return None
-        b1, b2 = self._b1, self._b2
-        deque(map(t1.__delitem__, from_t1), maxlen=0)  # C loops
-        b1.update(dict.fromkeys(from_t1))
-        deque(map(t2.__delitem__, from_t2), maxlen=0)
-        b2.update(dict.fromkeys(from_t2))
-        _trim(b1, self.capacity)
-        _trim(b2, self.capacity)
-        return from_t1 + from_t2
+        return self._t1.arc_evict(self._t2, self._b1, self._b2, n, protected, self.target_t1, self.capacity)
 
     def clear(self) -> None:
         self.target_t1 = 0.0
         for lst in (self._t1, self._t2, self._b1, self._b2):
             lst.clear()
-
-
-def _trim(ghosts: OrderedDict[OffloadKey, None], bound: int) -> None:
-    excess = len(ghosts) - bound
-    if excess > 0:  # the oldest ``excess`` ghosts, in a C loop
-        deque(map(ghosts.popitem, repeat(False, excess)), maxlen=0)

@@ -22,31 +22,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence, Set
-from itertools import islice
-from operator import attrgetter
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import RequestContext
+from kvoffload.policies.blocks import BlockStatus, evictable_keys
 from kvoffload.validation import non_negative_int
 
-_ref = attrgetter("ref")
-
-
-class BlockStatus:
-    """A block's slot in its tier and its state: -1 being written, 0 idle, n>0 pinned."""
-
-    __slots__ = ("slot", "ref")
-
-    def __init__(self, slot: int, ref: int = -1) -> None:
-        self.slot = slot
-        self.ref = ref
-
-    @property
-    def is_ready(self) -> bool:
-        return self.ref >= 0
-
-    def __repr__(self) -> str:
-        return f"BlockStatus(slot={self.slot}, ref={self.ref})"
+__all__ = ["BlockStatus", "CachePolicy", "evictable_keys", "first_evictable"]
 
 
 class CachePolicy(ABC):
@@ -100,31 +82,6 @@ class CachePolicy(ABC):
         reused: Set[OffloadKey],
     ) -> None:
         """A request ended; the default does nothing."""
-
-
-def evictable_keys(
-    order: Mapping[OffloadKey, BlockStatus], limit: int, protected: Collection[OffloadKey]
-) -> list[OffloadKey]:
-    """Up to ``limit`` keys of ``order``, first to last, that are idle (``ref == 0``) and
-    not in ``protected``. Changes nothing."""
-    found: list[OffloadKey] = []
-    if limit <= 0:
-        return found
-    # The common case, the first ``limit`` keys all evictable, checked in C loops.
-    head = list(islice(order, limit))
-    if len(head) == limit and not any(map(_ref, map(order.__getitem__, head))):
-        if isinstance(protected, (set, frozenset)):
-            clear = protected.isdisjoint(head)
-        else:
-            clear = not any(map(protected.__contains__, head))
-        if clear:
-            return head
-    for key, status in order.items():
-        if status.ref == 0 and key not in protected:
-            found.append(key)
-            if len(found) == limit:
-                break
-    return found
 
 
 def first_evictable(

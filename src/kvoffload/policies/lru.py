@@ -21,17 +21,20 @@ Reservations are bounded (``max(capacity, 1024)`` keys; past that the older half
 dropped at once) and dropped when their key is stored. Without the hooks (a replay that
 never announces requests) no reservation is made and the order is plain LRU over touches
 and stores.
+
+The order is a ``kvoffload.policies.blocks.Order`` (a C linked list through the block
+statuses where ``kvoffload.policies._blocks`` was built): each step is one call into it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence, Set
-from itertools import filterfalse, islice, repeat
+from itertools import islice, repeat
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import RequestContext, prefix_order
-from kvoffload.policies.base import BlockStatus, CachePolicy, evictable_keys
+from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.policies.blocks import Order
 
 
 class LRUPolicy(CachePolicy):
@@ -39,7 +42,8 @@ class LRUPolicy(CachePolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._order: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self._order = Order()  # least recently used first (a C list where built)
+        self._resident = self._order.table  # key -> BlockStatus, for readers
         self._running: set[str] = set()  # announced requests not finished yet
         # absent key -> every key of the touch that named it (its request's run)
         self._reserved: dict[OffloadKey, tuple[OffloadKey, ...]] = {}
@@ -50,26 +54,20 @@ class LRUPolicy(CachePolicy):
 
     def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
         order = self._order
-        order.update(zip(keys, statuses))
+        order.insert_many(keys, statuses)
         reserved = self._reserved
         if not reserved:
             return
-        runs = {id(run): run for run in map(reserved.pop, keys, repeat(None)) if run is not None}
-        for run in runs.values():
-            # the run's resident keys, deepest first, to the most recent end (C loops)
-            deque(map(order.move_to_end, filter(order.__contains__, reversed(run))), maxlen=0)
+        runs = list(filter(None, map(reserved.pop, keys, repeat(None))))
+        for run in dict(zip(map(id, runs), runs)).values():  # each run once, in C loops
+            order.move_to_end_reversed(run)  # its resident keys, deepest first, to the recent end
 
     def remove(self, key: OffloadKey) -> None:
-        self._order.pop(key, None)
+        self._order.remove(key)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        order = self._order
-        resident = filter(order.__contains__, reversed(keys))
-        deque(map(order.move_to_end, resident), maxlen=0)  # deepest first, in C loops
-        if not self._running:
-            return
-        absent = list(filterfalse(order.__contains__, keys))
-        if absent:
+        absent = self._order.move_to_end_reversed(keys)  # deepest first
+        if absent and self._running:
             reserved = self._reserved
             reserved.update(dict.fromkeys(absent, tuple(keys)))
             if len(reserved) > self._reserve_limit:  # forget the oldest half at once
@@ -87,12 +85,7 @@ class LRUPolicy(CachePolicy):
         reused: Set[OffloadKey],
     ) -> None:
         self._running.discard(request.request_id)
-        order = self._order
-        keys = prefix_order(request, key_groups)
-        try:  # every key still resident (the common case): no membership test
-            deque(map(order.move_to_end, reversed(keys)), maxlen=0)
-        except KeyError:  # moving them all again, in order, gives the same order
-            deque(map(order.move_to_end, filter(order.__contains__, reversed(keys))), maxlen=0)
+        self._order.move_to_end_reversed(prefix_order(request, key_groups))
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
@@ -100,10 +93,10 @@ class LRUPolicy(CachePolicy):
         order = self._order
         if n > len(order):
             return None
-        victims = evictable_keys(order, n, protected)
+        victims = order.evictable(n, protected)
         if len(victims) < n:
             return None
-        deque(map(order.__delitem__, victims), maxlen=0)
+        order.pop_many(victims)
         return victims
 
     def clear(self) -> None:

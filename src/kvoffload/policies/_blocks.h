@@ -1,0 +1,69 @@
+/* Shared by _blocks.c (the Order type, the module), _blocks_status.c (BlockStatus) and
+ * _blocks_table.c (the manager's batch paths), _blocks_moves.c (moves between orders),
+ * _blocks_s3fifo.c (S3-FIFO). */
+#ifndef KVOFFLOAD_BLOCKS_H
+#define KVOFFLOAD_BLOCKS_H
+#include <Python.h>
+
+typedef struct Status {
+    PyObject_HEAD
+    Py_ssize_t slot;
+    long ref;
+    PyObject *key;              /* strong while linked */
+    struct Status *prev, *next; /* the order holds a reference to each linked status */
+    PyObject *owner;            /* borrowed: the Order it is linked in, or NULL */
+    PyObject *target;           /* a proxy's: the status object it stands for, else NULL */
+} Status;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *table; /* dict key -> Status */
+    Status *head, *tail;
+} Order;
+
+extern PyTypeObject StatusType, OrderType;
+#define EXACT(s) Py_IS_TYPE((PyObject *)(s), &StatusType)
+
+/* The state of a status: its field, or the ``ref`` attribute of a subclass or of a proxy's
+ * target; -2 with an error set. ``set_ref`` writes it the same way. */
+long get_ref(PyObject *s);
+int set_ref(PyObject *s, long r);
+int status_type_ready(void); /* the type, ready; -1 with an error set */
+/* A new BlockStatus standing for ``status`` (any object with ``ref``): what orders link
+ * in its place. */
+PyObject *proxy_for(PyObject *status);
+
+/* The order's list (in _blocks.c): ``s`` (not linked) to the most recent end under ``key``;
+ * a linked ``s`` to the most recent end; ``key``'s entry out of the order (1 removed, 0
+ * absent, -1 error). */
+void link_tail(Order *o, Status *s, PyObject *key);
+void detach(Order *o, Status *s); /* out of the list, its links left for the caller */
+void to_tail(Order *o, Status *s);
+int remove_key(Order *o, PyObject *key);
+/* ``key`` -> ``status`` entered as ``insert_many`` does (0, or -1 with an error set). */
+int order_insert(Order *o, PyObject *key, PyObject *status);
+/* ``key in collection`` (1, 0, or -1 with an error set). */
+int contains(PyObject *collection, PyObject *key);
+/* Up to ``limit`` keys of ``o``, least recent first, idle and not in ``protected`` (a new list). */
+PyObject *evictable(Order *o, Py_ssize_t limit, PyObject *protected);
+
+/* Order methods moving keys between orders (in _blocks_moves.c). */
+PyObject *Order_take_from(Order *o, PyObject *args);
+PyObject *Order_trim(Order *o, PyObject *bound);
+PyObject *Order_arc_touch(Order *t1, PyObject *args);
+PyObject *Order_arc_insert(Order *t1, PyObject *args);
+PyObject *Order_arc_evict(Order *t1, PyObject *args);
+
+/* S3-FIFO's paths (in _blocks_s3fifo.c), module functions. */
+PyObject *s3fifo_insert(PyObject *module, PyObject *args);
+PyObject *s3fifo_evict(PyObject *module, PyObject *args);
+PyObject *bump(PyObject *module, PyObject *args);
+
+PyObject *lookup_prefix(PyObject *module, PyObject *args);
+PyObject *pin(PyObject *module, PyObject *args);
+PyObject *unpin(PyObject *module, PyObject *args);
+PyObject *complete(PyObject *module, PyObject *args);
+PyObject *reserve(PyObject *module, PyObject *args);
+PyObject *absent(PyObject *module, PyObject *args);
+PyObject *release(PyObject *module, PyObject *args);
+#endif
