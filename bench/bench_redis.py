@@ -24,7 +24,8 @@ PID) serves every measurement of one run:
   Target (issue 31): >= 0.85x, and >= 0.8x with ``--busy``. ``--batches both`` times the
   worker with each job's batch run by the C module (``_pipelines``, the default where it
   was built) and in Python, in turns. ``--back-to-back both`` times the C batches with
-  queued jobs back to back on each connection (two threads a connection, the default:
+  queued jobs back to back on each connection (queued into C by ``submit`` and sent by the
+  connection's thread as the batch before is answered, the default:
   ``RedisWorker(back_to_back=True)``) and without (one thread a connection, each batch
   sent after the Python of the job before it: ``c serial``), in turns. ``--busy``: a
   thread of the bench process spins in Python throughout (the switch interval at the
@@ -388,7 +389,7 @@ def main() -> None:
         "--back-to-back",
         choices=("on", "off", "both"),
         default="on",
-        help="C batches of queued jobs back to back on each connection (two threads each), not, or both",
+        help="C batches of queued jobs back to back on each connection (queued in C), not, or both",
     )
     parser.add_argument(
         "--busy",

@@ -1,9 +1,10 @@
-"""Queued jobs back to back on one connection (``lanes``, ``_pipelines.Turns``), against a
-real redis-server: a job queued behind a batch on the wire waits for it in C and goes out
+"""Queued jobs back to back on one connection (``lanes``, ``_pipelines.JobQueue``), against
+a real redis-server: a job queued behind a batch on the wire waits for it in C and goes out
 as soon as it is answered; a missing or corrupt value fails its own job only; a batch
 whose connection dies, and the job queued behind it, run again on a fresh connection, as
-does one on a connection the server closed while it was idle; many jobs of both
-directions at once on one connection all land byte-exact.
+does one on a connection the server closed while it was idle; a batch that times out fails
+its job and opens the breaker; many jobs of both directions at once on one connection all
+land byte-exact.
 
 A gate proxy between worker and server holds the server's replies back, so that a batch
 stays on the wire while the test queues others behind it (no timing involved)."""
@@ -101,8 +102,8 @@ def k(i: int) -> bytes:
     return make_offload_key(i.to_bytes(32, "big"), 0)
 
 
-def worker_on(url: str, pool: HostBlockPool) -> RedisWorker:
-    settings = ServerSettings(url, connect_timeout=2.0, timeout=HANG_GUARD)
+def worker_on(url: str, pool: HostBlockPool, timeout: float = HANG_GUARD) -> RedisWorker:
+    settings = ServerSettings(url, connect_timeout=2.0, timeout=timeout)
     return RedisWorker(pool, NodeCalls(lambda: connect(settings), "test"), NAMES, io_threads=1)
 
 
@@ -204,6 +205,25 @@ def test_a_batch_whose_connection_dies_and_the_one_queued_behind_it_run_again_on
     assert all(results[j].success for j in jobs), results
     assert same(stored, reader.host_pool, list(range(8)))
     assert reader.counters().outages == 0  # nothing counted against the breaker
+    reader.close()
+    proxy.close()
+
+
+def test_a_batch_that_times_out_on_its_lane_fails_its_job_and_opens_the_breaker(redis_server, stored):  # noqa: F811
+    proxy = GateProxy(redis_server.port)
+    reader = worker_on(proxy.url, make_pool(WIDTH, 12, seed=2), timeout=0.5)  # the fault: replies held back
+    reader.submit(99, RemoteLoadStoreSpec([k(0)]), CPULoadStoreSpec([0]))  # connects the lane
+    assert finish(reader, [99])[99].success
+    proxy.gate.clear()
+    reader.submit(1, RemoteLoadStoreSpec([k(i) for i in range(4)]), CPULoadStoreSpec(list(range(4))))
+    result = finish(reader, [1])[1]
+    assert not result.success and "TimeoutError" in result.error
+    assert reader.counters().outages == 1  # its failure alone opened the breaker
+    reader.submit(2, RemoteLoadStoreSpec([k(i) for i in range(4, 8)]), CPULoadStoreSpec(list(range(4, 8))))
+    assert not finish(reader, [2])[2].success  # at once with the circuit open (or timed out probing)
+    counters = reader.counters()
+    assert counters.loads_failed == 2 and counters.blocks_read == 1
+    proxy.gate.set()
     reader.close()
     proxy.close()
 

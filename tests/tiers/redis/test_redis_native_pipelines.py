@@ -242,40 +242,81 @@ def test_set_nx_refuses_a_checksum_that_does_not_fit(pair, record, error) -> Non
         _pipelines.set_nx(a.fileno(), 2.0, [bytearray(6), b"xxxxxx"], b"", 0, [record])
 
 
-def test_a_batch_on_turns_gives_its_turn_on_only_when_answered_in_full(pair) -> None:
-    a, b = pair
-    turns = _pipelines.Turns()
-    items, _ = plan([100, 100])
-    good = encode(key(0), [b"\1" * 100], NAMES.digest)
-    b.sendall(replies([good]) + b"$-1\r\n")  # the second value is missing: the batch stops there
-    results, unread, passed = _pipelines.get_into(a.fileno(), 2.0, b"GET a", b"", items, turns)
-    assert results == [True] and unread == b"$-1\r\n" and passed is False  # the caller reads the rest
-    turns.release()
-    b.sendall(replies([good, encode(key(1), [b"\2" * 100], NAMES.digest)]))
-    results, unread, passed = _pipelines.get_into(a.fileno(), 2.0, b"GET b", b"", items, turns)
-    assert results == [True, True] and passed is True
-    b.sendall(b"+OK\r\n+OK\r\n")
-    lines, unread, passed = _pipelines.set_nx(a.fileno(), 2.0, [b"SET c"], b"", 2, [], turns)
-    assert lines == [b"+OK", b"+OK"] and passed is True
-    assert turns.behind == 0 and not turns.broken
+def respond(sock: socket.socket, answers: dict[bytes, bytes], got: bytearray) -> threading.Thread:
+    """A peer that answers each request of ``answers`` once it has come (in ``got``)."""
+
+    def run() -> None:
+        while data := sock.recv(1 << 16):
+            got.extend(data)
+            for request, reply in answers.items():
+                if got.endswith(request):
+                    sock.sendall(reply)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
-def test_a_batch_on_broken_turns_is_refused_unsent_and_a_failed_one_breaks_them(pair) -> None:
+def test_a_queue_runs_its_batches_back_to_back_and_hands_back_the_first_not_answered_in_full(pair) -> None:
     a, b = pair
-    turns = _pipelines.Turns()
-    b.close()  # the peer is gone: the batch fails on its turn
-    items, _ = plan([100])
-    with pytest.raises(OSError):
-        _pipelines.get_into(a.fileno(), 2.0, b"GET a", b"", items, turns)
-    assert turns.broken
-    c, d = socket.socketpair()
-    with c, d:
-        with pytest.raises(_pipelines.TurnLost):
-            _pipelines.get_into(c.fileno(), 2.0, b"GET a", b"", items, turns)
-        with pytest.raises(_pipelines.TurnLost):
-            _pipelines.set_nx(c.fileno(), 2.0, [b"SET a"], b"", 1, [], turns)
-        with pytest.raises(_pipelines.TurnLost):
-            turns.acquire()
-        d.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            d.recv(1)  # nothing was sent
+    done = _pipelines.Completions()
+    queue = _pipelines.JobQueue(done)
+    good = [encode(key(i), [bytes([i + 1]) * 100], NAMES.digest) for i in range(2)]
+    queue.push_get("load 1", b"GET 1|", plan([100, 100])[0])
+    queue.push_set("store 2", [b"SET 2|"], 2, [])
+    queue.push_get("load 3", b"GET 3|", plan([100, 100])[0])
+    queue.push_set("store 4", [b"SET 4|"], 1, [])
+    assert queue.behind == 3  # each queued behind another
+    queue.close()  # what is queued still runs; serve() returns once it is empty
+    got = bytearray()
+    answers = {
+        b"GET 1|": replies(good),
+        b"SET 2|": b"+OK\r\n$-1\r\n",
+        b"GET 3|": replies(good[:1]) + b"$-1\r\n",
+    }
+    peer = respond(b, answers, got)
+    seen = done.count
+    # load 1 and store 2 answered in full, in C; load 3's second value is missing: it comes back
+    token, result, error = queue.serve(a.fileno(), 10.0)  # 10 s: a hang guard
+    assert (token, result, error) == ("load 3", ([True], b"$-1\r\n"), None)
+    assert done.count == seen + 2 and bytes(got) == b"GET 1|SET 2|GET 3|"  # store 4 not sent
+    assert queue.collect() == [("load 1", ([True, True], b"")), ("store 2", ([b"+OK", b"$-1"], b""))]
+    assert queue.collect() == []
+    token, result, error = queue.serve(a.fileno(), 0.05)  # no reply: it fails
+    assert token == "store 4" and result is None and isinstance(error, TimeoutError)
+    assert queue.serve(a.fileno(), 2.0) is None and not queue.wait_job()
+    a.shutdown(socket.SHUT_WR)
+    peer.join(30.0)
+    assert bytes(got) == b"GET 1|SET 2|GET 3|SET 4|"
+
+
+def test_a_queue_wakes_a_waiter_runs_what_was_queued_before_close_and_gives_back_unsent_batches(pair) -> None:
+    a, b = pair
+    done = _pipelines.Completions()
+    queue = _pipelines.JobQueue(done)
+    served: list = []
+    server = threading.Thread(target=lambda: served.append(queue.serve(a.fileno(), 30.0)), daemon=True)
+    server.start()
+    seen = done.count
+    queue.push_set("s1", [b"SET 1"], 1, [])
+    b.sendall(b"+OK\r\n")
+    assert done.wait(seen, 30.0)  # woken by the batch answered on the serving thread (30 s: a hang guard)
+    assert queue.collect() == [("s1", ([b"+OK"], b""))]
+    queue.push_set("s2", [b"SET 2"], 1, [])
+    queue.close()  # s2 still runs
+    b.sendall(b"+OK\r\n")
+    server.join(30.0)
+    assert served == [None] and queue.collect() == [("s2", ([b"+OK"], b""))]
+    with pytest.raises(RuntimeError, match="after close"):
+        queue.push_set("s3", [b"SET 3"], 1, [])
+    assert not done.wait(done.count, 0.01)
+    other = _pipelines.JobQueue(done)
+    other.push_get("g", b"GET", plan([100])[0])
+    other.push_set("s", [b"SET"], 1, [])
+    assert other.drain() == ["g", "s"] and other.collect() == []
+    with pytest.raises(TypeError, match="item 0"):
+        other.push_get("bad", b"GET", [(b"x", 0, b"k")])
+    with pytest.raises(ValueError, match="checksum 0"):
+        other.push_set("bad", [bytearray(6), b"xxxxxx"], 1, [(0, 0, 0, 5)])
+    with pytest.raises(ValueError, match="timeout must be >= 0, got -1"):
+        done.wait(0, -1)

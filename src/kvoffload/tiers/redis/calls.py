@@ -21,13 +21,9 @@ can send values from the host pool and read them into it without copies. Where r
 connection exposes no socket, ``command`` is used as above. Either way the connection is
 dropped after any exception, and a ``ServerError`` reply is a ``NodeDown`` of its name.
 
-On a standalone server a caller may name a ``Lane`` (``kvoffload.tiers.redis.lanes``): the
-streamed batch then runs on the lane's connection, in turn with the batches of the other
-threads that share it, instead of on a connection taken from the pool for it. A batch
-refused unsent because an earlier one on the lane failed (``TurnLost``), or that found the
-lane's kept connection closed (``Stale``: the server dropped it while idle; redis-py
-checks a pooled connection for that when it hands it out), runs once more on a fresh
-connection; only a batch that fails again counts against the breaker.
+On a standalone server, a ``Lane`` (``kvoffload.tiers.redis.lanes``) runs a worker's
+batches on a connection of its own, from ``pool()``: it reports what happens to them here
+(``failed``: the breaker counts it and the client is made again; ``answered``).
 
 Thread-safe: the redis-py clients are, and breakers are created under a lock.
 """
@@ -41,7 +37,6 @@ from typing import Any
 
 from kvoffload.tiers.redis.breaker import CircuitBreaker
 from kvoffload.tiers.redis.client import redact
-from kvoffload.tiers.redis.lanes import Lane, Stale, TurnLost
 from kvoffload.tiers.redis.resp import RespStream, ServerError
 
 Command = Callable[[bytes, int], tuple]  # command(name, index) -> ("SET", name, value, ...)
@@ -88,6 +83,21 @@ class NodeCalls:
     def outages(self) -> int:
         return sum(b.outages for b in list(self._breakers.values()))
 
+    def pool(self) -> Any:
+        """The standalone server's connection pool (the client made if need be)."""
+        return self._client_or_raise().connection_pool
+
+    def answered(self, batches: int = 1) -> None:
+        """``batches`` streamed batches ran on a lane's connection and were answered."""
+        self.breaker("server").success()
+        with self._lock:
+            self.streamed_batches += batches
+
+    def failed(self, exc: BaseException) -> None:
+        """A batch on a lane's connection failed: counted as ``run`` counts a failed call."""
+        self.breaker("server").failure(exc)
+        self._client = None
+
     def _client_or_raise(self):
         client = self._client
         if client is None:
@@ -112,11 +122,8 @@ class NodeCalls:
         names: Sequence[bytes],
         command: Command,
         streamed: Streamed | None = None,
-        lane: Lane | None = None,
     ) -> list[Any]:
-        """Per name, the reply to ``command(name, index)`` (or ``streamed``'s, on ``lane``'s
-        connection if one is given and the server is standalone), or a ``NodeDown``."""
-        lane = None if self.cluster or streamed is None else lane
+        """Per name, the reply to ``command(name, index)`` (or ``streamed``'s), or a ``NodeDown``."""
         replies: list[Any] = [None] * len(names)
         # A cluster client talks to the cluster when it is made (to map the slots): that
         # has a breaker of its own. A standalone client connects on its first command.
@@ -139,10 +146,7 @@ class NodeCalls:
                     replies[i] = NodeDown(f"node {node} is down (circuit open)")
                 continue
             try:
-                try:
-                    results, on_stream = _batch(connection, names, indices, command, streamed, lane)
-                except (TurnLost, Stale):  # not sent (an earlier batch failed), or on a stale connection
-                    results, on_stream = _batch(connection, names, indices, command, streamed, lane)
+                results, on_stream = _batch(connection, names, indices, command, streamed)
             except Exception as exc:  # noqa: BLE001 - network, timeout, server errors
                 breaker.failure(exc)
                 if not self.cluster:
@@ -160,35 +164,18 @@ class NodeCalls:
         return replies
 
 
-def _refused(replies: list[Any], indices: list[int]) -> list[Any]:
+def stream_socket(connection: Any) -> socket.socket | None:
+    """The socket of a redis-py ``connection`` that a ``RespStream`` can run on, if it has one."""
+    sock = getattr(connection, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def refused(replies: list[Any], indices: list[int]) -> list[Any]:
     if len(replies) != len(indices):
         raise RuntimeError(f"{len(replies)} replies to a batch of {len(indices)}")
     return [
         NodeDown(f"the server refused: {r.message}") if isinstance(r, ServerError) else r for r in replies
     ]
-
-
-def _on_lane(pool: Any, lane: Lane, indices: list[int], streamed: Streamed) -> list[Any] | None:
-    """The streamed batch on ``lane``'s connection, on its turn; ``None`` where that
-    connection offers no socket. ``TurnLost``: not sent. Errors raise (the lane's turns are
-    broken and its connection dropped)."""
-    connection, turns, kept = lane.borrow(pool)
-    sock = getattr(connection, "_sock", None)
-    if not isinstance(sock, socket.socket):
-        return None
-    stream = RespStream(sock, turns)
-    try:
-        replies = streamed(stream, indices)
-        stream.end_turn()  # where C could not answer in full, the rest was read here
-    except TurnLost:
-        raise
-    except BaseException as exc:
-        stream.end_turn(broken=True)
-        lane.drop(connection)
-        if kept and isinstance(exc, ConnectionError):  # closed (not timed out): stale while idle
-            raise Stale(f"{type(exc).__name__}: {exc}") from exc
-        raise
-    return _refused(replies, indices)
 
 
 def _batch(
@@ -197,23 +184,18 @@ def _batch(
     indices: list[int],
     command: Command,
     streamed: Streamed | None,
-    lane: Lane | None = None,
 ) -> tuple[list[Any], bool]:
-    """The replies to the batch of ``indices`` on ``lane``'s connection or one of
-    ``client``'s pool, one each (a command the server refused gives a ``NodeDown``), and
+    """The replies to the batch of ``indices`` on a connection of ``client``'s pool, one
+    each (a command the server refused gives a ``NodeDown``), and
     whether it ran on a ``RespStream``. Connection errors raise (the connection is dropped)."""
     from redis.exceptions import ResponseError
 
     pool = client.connection_pool
-    if lane is not None and streamed is not None:
-        replies = _on_lane(pool, lane, indices, streamed)
-        if replies is not None:
-            return replies, True
     connection = pool.get_connection()
     try:
-        sock = getattr(connection, "_sock", None) if streamed is not None else None
-        if isinstance(sock, socket.socket):
-            return _refused(streamed(RespStream(sock), indices), indices), True
+        sock = stream_socket(connection) if streamed is not None else None
+        if sock is not None:
+            return refused(streamed(RespStream(sock), indices), indices), True
         packed = connection.pack_commands([command(names[i], i) for i in indices])
         connection.send_packed_command([b"".join(packed)])
         replies = []

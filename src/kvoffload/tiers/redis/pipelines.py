@@ -34,14 +34,9 @@ Each batch runs one of two ways:
   were). It takes the GIL back per socket call, which costs up to the switch interval each
   time while an engine's Python loop is busy.
 
-On a stream with ``turns`` (a connection driven by several threads, ``lanes``), each batch
-runs on its turn: in C it takes a ticket when called, is planned (and a store's CRC32Cs
-computed) while the batch before it is still on the wire, is sent the moment that one is
-answered, and passes the turn on, all without the GIL: queued jobs run back to back
-without Python between them. A batch that C could not answer in full (a reply not as
-planned) keeps the turn while the rest is read here; the caller ends it
-(``RespStream.end_turn``). ``TurnLost``: an earlier batch on the connection failed, this
-one was not sent.
+A lane (``lanes``) queues a batch planned here (``planned_set_nx``, ``planned_get``) into C,
+which sends it the moment the batch before it is answered; what C could not answer is
+finished here (``set_replies``, ``get_replies``).
 
 Socket errors, timeouts and protocol errors raise (the caller drops the connection); the
 rows of items not answered ``True`` hold unspecified bytes.
@@ -69,30 +64,17 @@ except ImportError:  # pragma: no cover - depends on the build
     _pipelines = None
 
 
-def _on_turn(stream: RespStream, batch: Any, *args: Any) -> Any:
-    """``batch(*args)`` (a ``_pipelines`` batch) on the stream's turn if it has turns: the
-    C call waits for it, and passes it on if it answered the batch in full; otherwise the
-    stream keeps holding it (``turn_held``) for the caller to end."""
-    if stream.turns is None:
-        return batch(*args)
-    *out, passed = batch(*args, stream.turns)  # an exception: C has broken the turns
-    stream.turn_held = not passed
-    return out
-
-
 _SET = b"$3\r\nSET\r\n"
 _NX = b"\r\n$2\r\nNX\r\n"
 
 
-def set_nx(
-    stream: RespStream,
-    items: Sequence[tuple[bytes, bytes, Sequence[Any]]],
-    digest: bytes,
-    ttl: int | None = None,
-) -> list[Any]:
+def planned_set_nx(
+    items: Sequence[tuple[bytes, bytes, Sequence[Any]]], digest: bytes, ttl: int | None, native: bool
+) -> tuple[list[Any], list[tuple[int, int, int, int]]]:
+    """The buffers of a ``SET NX`` batch and, ``native``, the checksums C fills in (else
+    each header carries its CRC32C already)."""
     first = b"*4\r\n" if ttl is None else b"*6\r\n"
     tail = _NX if ttl is None else _NX + command(b"EX", ttl)[4:]  # the arguments without "*2"
-    native = stream.can_hand_off and _pipelines is not None
     buffers: list[Any] = []
     checksums: list[tuple[int, int, int, int]] = []  # C fills in each header's CRC32C
     carry = b""  # the end of the previous command goes out with the start of the next
@@ -120,15 +102,34 @@ def set_nx(
         buffers.extend(payload)
         carry = tail
     buffers.append(carry)
+    return buffers, checksums
+
+
+def set_nx(
+    stream: RespStream,
+    items: Sequence[tuple[bytes, bytes, Sequence[Any]]],
+    digest: bytes,
+    ttl: int | None = None,
+) -> list[Any]:
+    native = stream.can_hand_off and _pipelines is not None
+    buffers, checksums = planned_set_nx(items, digest, ttl, native)
     if not native:
-        stream.take_turn()
         stream.send(buffers)
         return [stream.reply() for _ in items]
     fd, timeout, buffered = stream.hand_off(1 << 62)
-    lines, unread = _on_turn(stream, _pipelines.set_nx, fd, timeout, buffers, buffered, len(items), checksums)
-    stream.unread(unread)
+    lines, unread = _pipelines.set_nx(fd, timeout, buffers, buffered, len(items), checksums)
+    return set_replies(stream, lines, unread, len(items))
+
+
+def set_replies(stream: RespStream | None, lines: list[bytes], unread: bytes, count: int) -> list[Any]:
+    """The replies of a ``SET NX`` batch of ``count`` whose first ``lines`` C read; the rest
+    (from ``unread`` on) read on ``stream`` (``None``: C read them all)."""
     replies: list[Any] = [_ONE_LINE.get(line) or _one_line(line) for line in lines]
-    return replies + [stream.reply() for _ in items[len(lines) :]]
+    if len(replies) == count:
+        return replies
+    assert stream is not None, "a batch C did not answer in full needs its stream"
+    stream.unread(unread)
+    return replies + [stream.reply() for _ in range(count - len(replies))]
 
 
 _ONE_LINE = {b"+OK": b"OK"}
@@ -143,36 +144,39 @@ def _one_line(line: bytes) -> Any:
     return None  # $-1 or _: a null
 
 
+def planned_get(
+    items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
+) -> tuple[bytes, list]:
+    """The request of a ``GET`` batch and its plan for C (``_planned``)."""
+    return _request(items), _planned(items, digest)[0]
+
+
+def _request(items: Sequence[tuple[bytes, bytes, Any]]) -> bytes:
+    return b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name, _, _ in items)
+
+
 def get_into(
     stream: RespStream, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]], digest: bytes
 ) -> list[Any]:
-    request = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name, _, _ in items)
     if not (stream.can_hand_off and items and _pipelines is not None):
-        stream.take_turn()
-        stream.send([request])
+        stream.send([_request(items)])
         return [_one(stream, key, rows, digest) for _, key, rows in items]
-    results = _received(stream, items, digest, request)  # sends the request too
-    return results + [_one(stream, key, rows, digest) for _, key, rows in items[len(results) :]]
-
-
-def _received(
-    stream: RespStream,
-    items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]],
-    digest: bytes,
-    request: bytes,
-) -> list[Any]:
-    """The replies to ``request`` (which it sends first), planned (``_planned``), received
-    into the rows and checked by ``_pipelines.get_into``: the whole batch on one release of
-    the GIL. The results of the items before the first reply that was not as planned (all
-    of them if none); the stream is left at that reply."""
     plan, total = _planned(items, digest)
     fd, timeout, buffered = stream.hand_off(total)
     try:
-        answers, unread = _on_turn(stream, _pipelines.get_into, fd, timeout, request, buffered, plan)
+        answers, unread = _pipelines.get_into(fd, timeout, _request(items), buffered, plan)
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
-    stream.unread(unread)
-    if all(answer is True for answer in answers):
+    return get_replies(stream, answers, unread, plan, digest)
+
+
+def get_replies(
+    stream: RespStream | None, answers: list[Any], unread: bytes, plan: list, digest: bytes
+) -> list[Any]:
+    """Per item of a ``GET`` batch planned as ``plan``, whose first ``answers`` C gave: the
+    results (as ``get_into``'s); the rest, from ``unread`` on, read on ``stream`` (``None``:
+    C answered every item)."""
+    if len(answers) == len(plan) and all(answer is True for answer in answers):
         return answers
     results: list[Any] = []
     for answer, (_, _, key, rows) in zip(answers, plan):
@@ -182,6 +186,10 @@ def _received(
             results.append(CorruptValue("CRC32C mismatch"))
         else:  # the head of a value of the planned length, not as planned
             results.append(_why_bad(answer, key, digest, sum([row.nbytes for row in rows])))
+    if len(results) < len(plan):
+        assert stream is not None, "a batch C did not answer in full needs its stream"
+        stream.unread(unread)
+        results += [_one(stream, key, rows, digest) for _, _, key, rows in plan[len(results) :]]
     return results
 
 

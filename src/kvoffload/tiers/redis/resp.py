@@ -17,11 +17,6 @@ retries. Every socket call is bounded by the socket's own timeout.
   its bytes in the receive buffer, valid until the next call; otherwise its length (``-1``
   for a null; a bulk string of another length is skipped, never held whole) or its
   ``ServerError``. ``bulk_length()``, ``take(n)`` and ``skip(n)`` are its pieces.
-* ``turns``: the ``_pipelines.Turns`` of the connection's batches when several threads
-  drive it (``kvoffload.tiers.redis.lanes``), else ``None``. A batch run in C takes its
-  turn there; a batch read here takes it first with ``take_turn()``; ``turn_held`` says
-  whether this stream's batch holds it, and ``end_turn(broken)`` passes it on (the caller
-  does so once the batch's replies are all read, or broken after any exception).
 * ``hand_off(limit)`` and ``unread(data)``: for a receiver that reads the socket itself
   (``kvoffload.tiers.redis._pipelines``): its descriptor, its timeout and the buffered
   bytes (taken), then the bytes it read past what it wanted, given back to read first.
@@ -85,10 +80,8 @@ def bulk_head(nbytes: int) -> bytes:
 
 
 class RespStream:
-    def __init__(self, sock: Any, turns: Any = None) -> None:
+    def __init__(self, sock: Any) -> None:
         self._sock = sock
-        self.turns = turns
-        self.turn_held = False
         self._vectored = not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg")
         self.can_hand_off = self._vectored  # a plain socket, not TLS: see hand_off
         buffer = getattr(_local, "buffer", None)  # one per thread, reused: no allocation per batch
@@ -98,20 +91,6 @@ class RespStream:
         self._view = memoryview(buffer)
         self._start = 0  # unread bytes are _buf[_start:_end]
         self._end = 0
-
-    # -- turns ---------------------------------------------------------------------------
-
-    def take_turn(self) -> None:
-        """Wait for this batch's turn on the connection (``TurnLost`` if an earlier batch failed)."""
-        if self.turns is not None and not self.turn_held:
-            self.turns.acquire()
-            self.turn_held = True
-
-    def end_turn(self, broken: bool = False) -> None:
-        """Pass the turn on if this batch holds it (``broken``: no later batch may run)."""
-        if self.turn_held:
-            self.turn_held = False
-            self.turns.release(broken)
 
     # -- sending -------------------------------------------------------------------------
 
@@ -289,6 +268,11 @@ class RespStream:
         self._start += n
         timeout = self._sock.gettimeout()
         return self._sock.fileno(), -1.0 if timeout is None else float(timeout), taken
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not read yet."""
+        return self._end - self._start
 
     def unread(self, data: bytes) -> None:
         """Make ``data`` the stream's next unread bytes (before any it still buffers)."""

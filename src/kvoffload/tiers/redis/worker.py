@@ -24,13 +24,15 @@ Contract, beyond ``kvoffload.worker``:
   id in flight; ``RuntimeError`` after ``close``) and never touches the network.
 * Jobs run on ``io_threads`` connections, concurrently; a job succeeds or fails as a whole.
   Where the C module was built, each connection of a standalone server is a ``Lane``
-  driven by two threads: while one job's batch is on the wire, the next job queued is
-  planned on the other thread and waits in C for its turn, so queued jobs run back to
-  back, each batch sent when the one before it is answered (``lanes``). A job that an
-  earlier job's failure kept from being sent runs again on a fresh connection. On a
-  cluster (or with ``back_to_back=False``: one thread per connection, each batch sent
-  after the Python of the job before it), each batch takes a connection from the
-  client's pool.
+  (``lanes``): ``submit`` plans the job's batch and queues it into C, where the lane's
+  thread sends it the moment the batch before it is answered, without the GIL; a job whose
+  batch C answered in full is finished by the next ``poll`` or ``wait`` (or ``close``). A job
+  whose batch C could not run as planned is finished on the lane's thread, or on a pool
+  thread where that needs the network (a corrupt value's ``UNLINK``); a batch whose
+  connection was found closed (it may have gone stale while idle), or that never went out
+  (no connection, the breaker open), runs again on a pool thread as below. On a cluster (or
+  with ``back_to_back=False``), each job runs on a pool thread, its batch on a connection
+  taken from the client's pool.
   A failed load leaves its host rows unspecified (they may hold a bad value's bytes: the
   rows of a load are reserved, not loadable, and a failed load never makes them so). A
   value that is missing (evicted or expired since the lookup) fails the load; a value
@@ -46,8 +48,8 @@ Contract, beyond ``kvoffload.worker``:
 
 from __future__ import annotations
 
+import functools
 import itertools
-import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,11 +58,13 @@ from dataclasses import dataclass
 from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_REMOTE, LoadStoreSpec, RemoteLoadStoreSpec
 from kvoffload.tiers.host_rows import HostRows
-from kvoffload.tiers.redis.calls import NodeCalls, NodeDown
+from kvoffload.tiers.redis import pipelines
+from kvoffload.tiers.redis.calls import NodeCalls, NodeDown, refused
 from kvoffload.tiers.redis.format import CorruptValue, KeyNames, decode, encode
 from kvoffload.tiers.redis.lanes import AVAILABLE as LANES_AVAILABLE
-from kvoffload.tiers.redis.lanes import Lane
+from kvoffload.tiers.redis.lanes import Completions, Lane
 from kvoffload.tiers.redis.pipelines import get_into, set_nx
+from kvoffload.tiers.redis.resp import RespStream
 from kvoffload.tiers.shared_store_jobs import check_job
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
@@ -87,8 +91,25 @@ class RedisWorkerCounters(Counters):
     back_to_back: int = 0  # batches queued in C behind another on their connection, sent as it was answered
 
 
+@dataclass
+class _Job:
+    """A job queued on a lane: what finishing it needs."""
+
+    job_id: int
+    direction: str
+    host_ids: list[int]
+    keys: list[bytes]
+    names: list[bytes]
+    start: float
+    plan: list | None = None  # a load's plan (pipelines.planned_get)
+
+
 class _JobFailed(Exception):
     pass
+
+
+def _raise(exc: BaseException) -> int:
+    raise exc
 
 
 class RedisWorker(OffloadingWorker):
@@ -115,17 +136,19 @@ class RedisWorker(OffloadingWorker):
         self._names = names
         self._ttl = ttl
         connections = positive_int("io_threads", io_threads)
-        # a lane per connection, two threads each (see lanes): thread k drives lane k // 2
         use_lanes = back_to_back and LANES_AVAILABLE and not calls.cluster
-        self._lanes = [Lane() for _ in range(connections)] if use_lanes else []
-        self._thread_lane = threading.local()
-        order = itertools.count()
-
-        def assign_lane() -> None:
-            self._thread_lane.lane = self._lanes[next(order) // 2] if self._lanes else None
-
-        threads = 2 * connections if self._lanes else connections
-        self._pool = ThreadPoolExecutor(threads, "kvoffload-redis-io", initializer=assign_lane)
+        self._completions = Completions() if use_lanes else None
+        self._lanes = (
+            [
+                Lane(calls, self._completions, self._settle, self._failed, self._unsent)
+                for _ in range(connections)
+            ]
+            if use_lanes
+            else []
+        )
+        self._next_lane = itertools.cycle(self._lanes)
+        # jobs that do not run on a lane, and the slow ends of those that did
+        self._pool = ThreadPoolExecutor(connections, "kvoffload-redis-io")
         self._jobs = JobBook()
         self._lock = self._jobs.lock  # also guards the counters
         self._counters = RedisWorkerCounters()
@@ -143,15 +166,39 @@ class RedisWorker(OffloadingWorker):
             self.host_pool.num_blocks,
         )
         self._jobs.begin(job_id)
-        self._pool.submit(self._run, job_id, direction, host_ids, keys)
+        lane = next(self._next_lane) if self._lanes else None
+        if lane is None or not lane.usable or self.calls.breaker("server").is_open:
+            self._pool.submit(self._run, job_id, direction, host_ids, keys)
+            return True
+        job = _Job(job_id, direction, host_ids, keys, self._names.names(keys), time.perf_counter())
+        items = [(name, key, self._host.block(i)) for name, key, i in zip(job.names, keys, host_ids)]
+        digest = self._names.digest
+        try:
+            if direction == STORE:
+                buffers, checksums = pipelines.planned_set_nx(items, digest, self._ttl, native=True)
+                lane.push_set(job, buffers, len(keys), checksums)
+            else:
+                request, job.plan = pipelines.planned_get(items, digest)
+                lane.push_get(job, request, job.plan)
+        except Exception:  # noqa: BLE001 - the lane is closing: the job runs as if it had none
+            self._unsent(job)
         return True
 
     # -- the jobs ------------------------------------------------------------------------
 
     def _run(self, job_id: int, direction: str, host_ids: list[int], keys: list[bytes]) -> None:
         start = time.perf_counter()
+        self._finish(
+            job_id,
+            direction,
+            start,
+            lambda: (self._store if direction == STORE else self._load)(host_ids, keys),
+        )
+
+    def _finish(self, job_id: int, direction: str, start: float, job) -> None:
+        """Post the result of ``job()`` (the bytes moved, or an exception: failed)."""
         try:
-            moved = (self._store if direction == STORE else self._load)(host_ids, keys)
+            moved = job()
             error = None
         except _JobFailed as exc:
             moved, error = 0, str(exc)
@@ -168,6 +215,60 @@ class RedisWorker(OffloadingWorker):
             self._jobs.finish(
                 TransferResult(job_id, error is None, moved, time.perf_counter() - start, direction, error)
             )
+        if self._completions is not None:
+            self._completions.bump()
+
+    # -- jobs on lanes -------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """Finish the jobs whose batches C answered in full."""
+        for lane in self._lanes:
+            done = lane.collect()
+            if done:
+                self.calls.answered(len(done))
+            for job, result in done:
+                try:
+                    self._settle(job, None, result)
+                except Exception as exc:  # noqa: BLE001 - poll never raises; the job fails
+                    self._finish(job.job_id, job.direction, job.start, functools.partial(_raise, exc))
+
+    def _settle(self, job: _Job, stream: RespStream | None, result: tuple) -> None:
+        """Finish ``job`` from what C gave (``result``), its batch's other replies read on
+        ``stream`` (``None``: C answered every one); a load that needs the network to
+        finish (a corrupt value to delete) is finished on a pool thread."""
+        indices = list(range(len(job.keys)))
+        if stream is not None:
+            self.calls.answered()
+        if job.direction == STORE:
+            replies = refused(pipelines.set_replies(stream, *result, len(job.keys)), indices)
+            self._finish(job.job_id, STORE, job.start, lambda: self._stored(replies, len(job.keys)))
+            return
+        values = refused(pipelines.get_replies(stream, *result, job.plan, self._names.digest), indices)
+        finish = lambda: self._loaded(job.host_ids, job.keys, job.names, values)  # noqa: E731
+        if all(value is True for value in values):
+            self._finish(job.job_id, LOAD, job.start, finish)
+        else:
+            self._pool.submit(self._finish, job.job_id, LOAD, job.start, finish)
+
+    def _failed(self, job: _Job, exc: BaseException) -> None:
+        """``job``'s batch failed on its lane: run again on a pool thread if the connection
+        was found closed (it may have gone stale while idle), else failed and counted."""
+        if isinstance(exc, ConnectionError):
+            self._unsent(job)
+            return
+        self.calls.failed(exc)
+        values = [NodeDown(f"{type(exc).__name__}: {exc}")] * len(job.keys)
+        if job.direction == STORE:
+            self._finish(job.job_id, STORE, job.start, lambda: self._stored(values, len(job.keys)))
+        else:
+            self._finish(
+                job.job_id, LOAD, job.start, lambda: self._loaded(job.host_ids, job.keys, job.names, values)
+            )
+
+    def _unsent(self, job: _Job) -> None:
+        self._pool.submit(self._run, job.job_id, job.direction, job.host_ids, job.keys)
+
+    # -- a job's batches -----------------------------------------------------------------
 
     def _store(self, host_ids: list[int], keys: list[bytes]) -> int:
         digest, ttl, payload = self._names.digest, self._ttl, self._host.block
@@ -180,7 +281,9 @@ class RedisWorker(OffloadingWorker):
         def streamed(stream, indices: list[int]) -> list:
             return set_nx(stream, [(names[i], keys[i], payload(host_ids[i])) for i in indices], digest, ttl)
 
-        replies = self.calls.run(names, command, streamed, getattr(self._thread_lane, "lane", None))
+        return self._stored(self.calls.run(names, command, streamed), len(keys))
+
+    def _stored(self, replies: list, count: int) -> int:
         down = next((r for r in replies if isinstance(r, NodeDown)), None)
         with self._lock:
             self._counters.blocks_written += sum(1 for r in replies if r == b"OK")
@@ -188,20 +291,22 @@ class RedisWorker(OffloadingWorker):
         if down is not None:
             raise _JobFailed(f"store failed: {down.reason}")
         with self._lock:
-            self._counters.bytes_written += self.block_bytes * len(keys)
-        return self.block_bytes * len(keys)
+            self._counters.bytes_written += self.block_bytes * count
+        return self.block_bytes * count
 
     def _load(self, host_ids: list[int], keys: list[bytes]) -> int:
         names = self._names.names(keys)
-        digest, size, payload = self._names.digest, self.block_bytes, self._host.block
+        digest, payload = self._names.digest, self._host.block
 
         def streamed(stream, indices: list[int]) -> list:
             items = [(names[i], keys[i], payload(host_ids[i])) for i in indices]
             return get_into(stream, items, digest)
 
-        values = self.calls.run(
-            names, lambda name, _: ("GET", name), streamed, getattr(self._thread_lane, "lane", None)
-        )
+        values = self.calls.run(names, lambda name, _: ("GET", name), streamed)
+        return self._loaded(host_ids, keys, names, values)
+
+    def _loaded(self, host_ids: list[int], keys: list[bytes], names: list[bytes], values: list) -> int:
+        digest, size, payload = self._names.digest, self.block_bytes, self._host.block
         corrupt: list[bytes] = []
         failure = None
         for host_id, key, name, value in zip(host_ids, keys, names, values):
@@ -241,10 +346,25 @@ class RedisWorker(OffloadingWorker):
     # -- results -------------------------------------------------------------------------
 
     def poll(self) -> list[TransferResult]:
+        self._collect()
         return self._jobs.poll()
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
-        self._jobs.wait(job_ids, timeout)
+        if self._completions is None:
+            self._jobs.wait(job_ids, timeout)
+            return
+        wanted = set(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            seen = self._completions.count  # before collecting: a completion after it wakes the wait
+            self._collect()
+            running = wanted.intersection(job_id for job_id, _ in self._jobs.in_flight())
+            if not running:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"jobs {sorted(running)} still running")
+            self._completions.wait(seen, left)
 
     def counters(self) -> RedisWorkerCounters:
         with self._lock:
@@ -255,6 +375,7 @@ class RedisWorker(OffloadingWorker):
     def close(self) -> None:
         """Let queued jobs finish (each bounded by the client's timeouts), then release."""
         if self._jobs.close():
-            self._pool.shutdown(wait=True)
             for lane in self._lanes:
-                lane.close()
+                lane.close()  # its queued batches run first
+            self._collect()
+            self._pool.shutdown(wait=True)
