@@ -4,7 +4,8 @@ benchmarks use on it (Mooncake's own, and the tier's ``MooncakeStore``).
 
 The processes are started as the tests' ``tests/mooncake_server.py`` starts them (P2P
 handshake metadata, the master's RPC and metrics on 127.0.0.1, TCP transfers); this copy
-adds core placement and stays out of the test tree.
+adds core placement and stays out of the test tree. ``tier_pool``: the host pool an engine
+has beside a Mooncake tier.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ import sys
 import time
 import urllib.request
 
-from bench_redis import free_port
+import torch
+
+from bench_redis import LAYERS, free_port, make_pool
+from kvoffload.tiers.mooncake.objects import SLOT_BYTES
 from kvoffload.tiers.mooncake.store import ClientSettings, MooncakeStore
+from kvoffload.transfer.host_pool import HostBlockPool
+from kvoffload.transfer.layout import KVLayout
 
 BIN = os.path.dirname(sys.executable)
 METADATA = "P2PHANDSHAKE"
@@ -132,3 +138,15 @@ def tier_store(servers: MooncakeServers, name: str, **settings) -> MooncakeStore
 def tier_config(servers: MooncakeServers) -> dict:
     """The ``secondary_tiers`` entry of a Mooncake tier on ``servers`` (client only)."""
     return {"type": "mooncake", "master": servers.master_address}
+
+
+def tier_pool(block: int, blocks: int, split: bool) -> HostBlockPool:
+    """``bench_redis.make_pool``'s pool (``LAYERS`` layers, random rows) with the row prefix
+    an engine's pool has beside a Mooncake tier (``kvoffload.tiers.factory``: each object one
+    buffer), or, ``split``, without it (each object a header slot and the block's rows)."""
+    if split:
+        return make_pool(block, blocks)
+    kv = {f"layer{i}": torch.zeros((blocks, block // LAYERS), dtype=torch.uint8) for i in range(LAYERS)}
+    pool = HostBlockPool(KVLayout.from_layer_tensors(kv), blocks, row_prefix_bytes=SLOT_BYTES)
+    pool.region.copy_(torch.randint(0, 256, pool.region.shape, dtype=torch.uint8))
+    return pool

@@ -1,7 +1,7 @@
 """The shared tier side by side: Mooncake Store and Redis, same machine, same run.
 
 Run: .venv/bin/python bench/bench_mooncake.py [--mib 256] [--sizes 65536,262144,2097152]
-     [--depth 16] [--threads 1] [--reps 3] [--slices 8] [--no-pin] [--self-check]
+     [--depth 16] [--threads 1] [--reps 3] [--slices 8] [--no-pin] [--self-check] [--split]
      .venv/bin/python bench/bench_mooncake.py --engine [--rounds 7] [--tokens 2000]
 
 Throughput (the default mode). A ``mooncake_master`` with one standalone segment holder
@@ -14,7 +14,9 @@ stored) is measured for four contenders, into emptied servers:
    ``batch_get_into`` of objects of the tier's object size (header, key, payload),
    ``--depth`` keys per call, from and into one buffer registered with the client;
 2. **kvoffload's Mooncake tier** (``MooncakeWorker``): store jobs from, and load jobs into,
-   a real ``HostBlockPool`` (32 layers, interleaved), ``--depth`` blocks per job and batch,
+   a real ``HostBlockPool`` (32 layers, interleaved, with the row prefix an engine's pool
+   has beside a Mooncake tier, so each object is one buffer; ``--split``: without it, each
+   object a header slot and the block's rows), ``--depth`` blocks per job and batch,
    ``--threads`` I/O threads with 2x that many jobs in flight, as ``bench_redis.py`` drives
    ``RedisWorker`` (with ``--threads`` > 1 the baseline runs that many calls at once);
 3. **kvoffload's Redis tier** (``bench_redis.WorkerRun``) and
@@ -55,13 +57,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _mooncake_servers import MooncakeServers, raw_client, tier_config, tier_store  # noqa: E402
+from _mooncake_servers import MooncakeServers, raw_client, tier_config, tier_pool, tier_store  # noqa: E402
 from _tier_engines import Engine  # noqa: E402
 from bench_redis import (  # noqa: E402 - a sibling script
     WorkerRun,
     free_port,
     lookup_costs,
-    make_pool,
     pin_this_process,
     placement,
     redis_benchmark,
@@ -126,12 +127,12 @@ class TierRun:
     """``MooncakeWorker`` over a ``HostBlockPool`` of its own: blocks from key ``base`` on,
     jobs of ``depth`` blocks (one batch each), ``threads`` I/O threads, 2x that in flight."""
 
-    def __init__(self, servers: MooncakeServers, size: int, depth: int, threads: int, base: int):
+    def __init__(self, servers: MooncakeServers, size: int, depth: int, threads: int, base: int, split=False):
         self.blocks = max(depth * threads * 2, 64)
         self.depth, self.threads, self.base = depth, threads, base
         store = tier_store(servers, "bench transfers")
         names = KeyNames("bench", f"size{size}")
-        pool = make_pool(size, self.blocks)
+        pool = tier_pool(size, self.blocks, split)
         self.worker = MooncakeWorker(pool, store, names, io_threads=threads, batch_blocks=depth)
         self.job_ids = itertools.count()
 
@@ -180,7 +181,7 @@ def repetition(store, servers, port: int, size: int, args, total: int, rep: int)
             raw_client(servers), obj, args.depth, args.threads, total, f"aa-{size}-{rep}", own=True
         )
     else:
-        tier = TierRun(servers, size, args.depth, args.threads, base)
+        tier = TierRun(servers, size, args.depth, args.threads, base, args.split)
     redis = WorkerRun(port, size, args.depth, args.threads, total, base)
     rates: dict[str, float] = {}
 
@@ -336,6 +337,8 @@ def main() -> None:
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="servers alone on the last core, this process on the others")  # fmt: skip
     parser.add_argument("--self-check", action="store_true", help="an A/A run: the noise floor")
+    parser.add_argument("--split", action="store_true",
+                        help="the tier over a pool without a row prefix (objects: two buffers)")  # fmt: skip
     parser.add_argument("--engine", action="store_true", help="TTFT of a shared-tier hit on vLLM engines")
     parser.add_argument("--rounds", type=int, default=7, help="--engine: rounds (prompts)")
     parser.add_argument("--tokens", type=int, default=2000, help="--engine: prompt length")

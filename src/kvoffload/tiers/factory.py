@@ -18,6 +18,12 @@ secondary tier's ``bytes_to_use``) are totals over the ``W`` workers, as in vLLM
 worker's host pool holds ``cpu_bytes_to_use // (block_bytes * W)`` blocks, and a block is
 in a tier only when every worker holds its share (``TierContext``).
 
+The host pool reserves a prefix before each block's payload when a secondary tier asks
+for one (``host_row_prefix``: the Mooncake tier keeps each object's header there, so an
+object is one buffer); without such a tier its layout is the default one. The prefix is
+not counted in ``cpu_bytes_to_use`` (at most 4 KiB per block, 128 bytes unless a disk tier
+reads with ``O_DIRECT``).
+
 ``identity`` describes what the block bytes mean (model, dtype, layout, block size, group
 specs, hash seed); secondary tiers derive their namespace from it
 (``kvoffload.tiers.secondary.TierContext``).
@@ -93,6 +99,24 @@ def build_manager(
     return TieredOffloadingManager(cpu, secondaries)
 
 
+def host_row_prefix(config: TierConfig, block_bytes: int) -> int:
+    """Bytes the host pool reserves before each block's payload: the most any secondary
+    tier asks for (its ``host_row_prefix_bytes``), 0 with none or for a tensor-major pool
+    (``blocks_per_offload_block`` > 1: such a tier moves its header as a buffer of its own
+    then). Rounded up to ``DIRECT_ALIGN`` when a tier reads into the pool with ``O_DIRECT``
+    (a disk tier's ``direct_reads``) and blocks are whole such units, so its reads stay
+    aligned."""
+    from kvoffload.tiers.fs.direct import DIRECT_ALIGN
+
+    tiers = config.secondary_tiers
+    prefix = max((int(getattr(t, "host_row_prefix_bytes", 0)) for t in tiers), default=0)
+    if not prefix or config.blocks_per_offload_block != 1:
+        return 0
+    if block_bytes % DIRECT_ALIGN == 0 and any(getattr(t, "direct_reads", False) for t in tiers):
+        prefix = -(-prefix // DIRECT_ALIGN) * DIRECT_ALIGN
+    return prefix
+
+
 def build_worker(
     config: TierConfig,
     layout: KVLayout,
@@ -108,7 +132,8 @@ def build_worker(
     from kvoffload.transfer.host_pool import HostBlockPool
 
     num_blocks = config.num_host_blocks(block_bytes, world_size)
-    pool = HostBlockPool(layout, num_blocks, config.blocks_per_offload_block)
+    prefix = host_row_prefix(config, block_bytes)
+    pool = HostBlockPool(layout, num_blocks, config.blocks_per_offload_block, row_prefix_bytes=prefix)
     workers: list[OffloadingWorker] = [TransferEngine(layout, pool)]
     context = TierContext(block_bytes, dict(identity or {}), rank, world_size)
     try:

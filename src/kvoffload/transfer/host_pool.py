@@ -21,6 +21,16 @@ on the CPU build too: the CPU executor copies pages either way at the same speed
 32 scattered pages stores at 0.36-0.55 of a sequential write and one buffer per block at
 0.9-1.0 (``bench/bench_disk.py --pool``; notes/benchmarks-history.md, disk tier run 6).
 
+Row prefix. ``row_prefix_bytes=P`` (interleaved only; default 0) reserves ``P`` bytes
+directly before each block's payload: block ``b``'s payload starts at region byte
+``b * block_stride + P``, ``block_stride = P + block_bytes``, and
+the views above start after the prefix. No copy planner here touches a prefix: a tier may
+keep a block's per-block header there, so that header and payload are one buffer (the
+Mooncake tier's objects, ``kvoffload.tiers.mooncake.worker``). Consecutive host ids are
+then no longer one byte range: planners that merge rows check that they touch
+(``staging_plan``, ``native.ByteRuns``, ``row_plan.source``), so they copy one range per
+block instead.
+
 Pinning. One region of exactly the pool's size, mapped anonymously (page-aligned, pages
 zero-filled on first touch), then, chunk by chunk on several threads, faulted in
 (``MADV_POPULATE_WRITE``; the page zeroing is what takes time) and registered with
@@ -124,12 +134,15 @@ class HostBlockPool:
         register_threads: int | None = None,
         register_chunk_bytes: int = _REGISTER_CHUNK_BYTES,
         prefault: bool = True,
+        row_prefix_bytes: int = 0,
     ) -> None:
         """``pin_memory`` (default: CUDA available) registers the region; ``registrar``
         replaces the CUDA runtime's (tests). ``interleave`` (default: F = 1) chooses the
         block-interleaved layout. ``prefault`` faults a pageable region
-        in at once (a pinned one always is)."""
+        in at once (a pinned one always is). ``row_prefix_bytes``: bytes reserved before
+        each block's payload (interleaved only; see the module's "Row prefix")."""
         non_negative_int("num_host_blocks", num_host_blocks)
+        prefix = non_negative_int("row_prefix_bytes", row_prefix_bytes)
         f = positive_int("blocks_per_offload_block", blocks_per_offload_block)
         positive_int("register_chunk_bytes", register_chunk_bytes)
         if pin_memory is None:
@@ -138,14 +151,21 @@ class HostBlockPool:
             interleave = f == 1
         if interleave and f != 1:
             raise ValueError(f"an interleaved host pool needs blocks_per_offload_block=1, got {f}")
+        if prefix and not interleave:
+            raise ValueError(
+                f"row_prefix_bytes={prefix} needs an interleaved host pool (blocks_per_offload_block=1)"
+            )
         self.layout = layout
         self.num_blocks = num_host_blocks
         self.blocks_per_offload_block = f
         self.interleaved = bool(interleave)
         pages = [layout.page_bytes(i) for i in range(len(layout.tensors))]
-        # Bytes of one host block across all tensors: the interleaved row stride.
+        # Bytes of one host block across all tensors (its payload), and, interleaved, the
+        # distance between two blocks' payloads.
         self.block_bytes = sum(pages) * f
-        self.nbytes = self.block_bytes * num_host_blocks
+        self.row_prefix_bytes = prefix
+        self.block_stride = prefix + self.block_bytes
+        self.nbytes = self.block_stride * num_host_blocks
         start = time.perf_counter()
         self._mapping = _map(self.nbytes)
         self.region = (
@@ -156,11 +176,11 @@ class HostBlockPool:
         self._offsets: list[int] = []
         self._strides: list[int] = []
         views = []
-        offset = 0
+        offset = prefix
         for page in pages:
             self._offsets.append(offset)
             if self.interleaved:
-                self._strides.append(self.block_bytes)
+                self._strides.append(self.block_stride)
                 views.append(self._strided(offset, page))
                 offset += page
             else:
@@ -185,7 +205,7 @@ class HostBlockPool:
         self.allocation_seconds = time.perf_counter() - start
 
     def _strided(self, offset: int, page: int) -> torch.Tensor:
-        return self.region.as_strided((self.num_blocks, page), (self.block_bytes, 1), offset)
+        return self.region.as_strided((self.num_blocks, page), (self.block_stride, 1), offset)
 
     def _chunk_bounds(self, target: int) -> list[tuple[int, int]]:
         """``(offset, nbytes)`` page-aligned chunks of about ``target`` bytes tiling the region."""
@@ -242,7 +262,8 @@ class HostBlockPool:
         return (
             f"HostBlockPool({self.num_blocks} blocks x {self.blocks_per_offload_block} device "
             f"blocks, {self.nbytes / 2**20:.1f} MiB, pinned={self.pinned}, "
-            f"{'interleaved' if self.interleaved else 'tensor-major'})"
+            f"{'interleaved' if self.interleaved else 'tensor-major'}"
+            f"{f', {self.row_prefix_bytes}-byte row prefix' if self.row_prefix_bytes else ''})"
         )
 
 

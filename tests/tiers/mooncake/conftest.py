@@ -13,13 +13,14 @@ import torch
 from kvoffload.manager import LookupResult
 from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.tiers.mooncake.names import object_names
+from kvoffload.tiers.mooncake.objects import SLOT_BYTES
 from kvoffload.tiers.redis.format import KeyNames, redis_namespace
 from kvoffload.tiers.secondary import TierContext, parse_secondary_tiers
 from kvoffload.transfer.host_pool import HostBlockPool
 from kvoffload.transfer.layout import KVLayout
 from mooncake_server import MooncakeServer
 from redis_replica import IDENTITY, until
-from transfer_oracle import make_pool, randomize
+from transfer_oracle import make_pool, randomize, three_group_layer_caches
 from worker_jobs import run_job
 
 RETRY = LookupResult.RETRY
@@ -31,7 +32,7 @@ class Replica:
                  pool=None, **options):  # fmt: skip
         (self.tier,) = parse_secondary_tiers([server.tier_config(probe_timeout_s=5.0, retry_max_s=0.5,
                                                                  **options)])  # fmt: skip
-        self.pool = make_pool(seed=seed) if pool is None else pool
+        self.pool = prefixed_pool(seed=seed) if pool is None else pool
         self.block_bytes = sum(int(t.shape[1]) for t in self.pool.tensors)
         self.context = TierContext(self.block_bytes, IDENTITY, rank=rank, world_size=world_size)
         self.manager = self.tier.build_manager(self.context, "lru")
@@ -61,11 +62,31 @@ class Replica:
         close_all([self.worker, self.manager])
 
 
-def big_pool(num_host: int, block_bytes: int, seed: int) -> HostBlockPool:
+def prefixed_pool(num_host: int = 16, seed: int = 0) -> HostBlockPool:
+    """``transfer_oracle.make_pool``'s pool (three groups, random rows, seeded) with the row
+    prefix the engine's factory gives it when a Mooncake tier is configured: its objects
+    are one buffer each. Prefixes hold random bytes too: nothing may rely on them."""
+    gen = torch.Generator().manual_seed(seed)
+    caches, groups = three_group_layer_caches(8, gen)
+    layout = KVLayout.from_layer_tensors(caches, groups)
+    pool = HostBlockPool(layout, num_host, row_prefix_bytes=SLOT_BYTES)
+    randomize(pool.region, gen)
+    return pool
+
+
+def split_pool(seed: int = 0) -> HostBlockPool:
+    """The same without a prefix: objects are a header slot and the block's rows."""
+    return make_pool(seed=seed)
+
+
+POOLS = {"one buffer": prefixed_pool, "split buffers": split_pool}
+
+
+def big_pool(num_host: int, block_bytes: int, seed: int, prefix: int = SLOT_BYTES) -> HostBlockPool:
     """A host pool of one tensor, ``block_bytes`` per block, random rows (seeded)."""
     gen = torch.Generator().manual_seed(seed)
     layout = KVLayout.from_layer_tensors({"layer": torch.empty((4, block_bytes), dtype=torch.uint8)})
-    pool = HostBlockPool(layout, num_host)
+    pool = HostBlockPool(layout, num_host, row_prefix_bytes=prefix)
     randomize(pool.tensors[0], gen)
     return pool
 
@@ -87,8 +108,9 @@ def mooncake_server(tmp_path):
 def mooncake_replicas(mooncake_server):
     made = []
 
-    def make(**options):
-        made.append(Replica(mooncake_server, seed=len(made), **options))
+    def make(layout: str = "one buffer", **options):
+        pool = POOLS[layout](seed=len(made))
+        made.append(Replica(mooncake_server, seed=len(made), pool=pool, **options))
         return made[-1]
 
     yield make

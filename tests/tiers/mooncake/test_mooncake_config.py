@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvoffload.tiers.factory import TierConfig, host_row_prefix
+from kvoffload.tiers.mooncake.objects import SLOT_BYTES
 from kvoffload.tiers.mooncake.tier import MOONCAKE_KEYS, MooncakeTierType
 from kvoffload.tiers.secondary import parse_secondary_tiers
 
@@ -62,3 +64,23 @@ def test_a_bad_entry_is_an_error_naming_the_key_and_the_value(options, message):
 def test_every_key_has_a_meaning_for_the_readme_table():
     table = MOONCAKE_KEYS.markdown('`"type": "mooncake"` key')
     assert all(f"| `{name}` |" in table for name in MOONCAKE_KEYS.names)
+
+
+def test_the_host_pool_keeps_a_header_prefix_only_beside_a_mooncake_tier():
+    """``factory.host_row_prefix``: 0 without a Mooncake tier (the default layout) and for
+    tensor-major pools; the object header's slot with one; a whole 4 KiB page when a disk
+    tier reads with O_DIRECT and blocks are whole pages (its reads stay aligned)."""
+    mooncake = {"type": "mooncake", "master": "h:1"}
+    disk = {"type": "fs", "root_dir": "/nonexistent", "bytes_to_use": 1 << 30}
+
+    def prefix(*entries, f=1, block=1 << 16):
+        return host_row_prefix(
+            TierConfig(1 << 30, f, secondary_tiers=parse_secondary_tiers(list(entries))), block
+        )
+
+    assert prefix() == 0 and prefix(disk) == 0
+    assert prefix(mooncake) == SLOT_BYTES == 128
+    assert prefix(mooncake, f=4) == 0
+    assert prefix(mooncake, disk) == prefix(disk, mooncake) == 4096
+    assert prefix(mooncake, {**disk, "direct_reads": False}) == SLOT_BYTES
+    assert prefix(mooncake, disk, block=(1 << 16) + 64) == SLOT_BYTES  # unaligned anyway: no page spent

@@ -5,26 +5,34 @@ corrupt objects, a full store, the master killed and restarted, use after close.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from conftest import Replica, big_pool, close_all
+from conftest import POOLS, Replica, big_pool, close_all
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.manager import LookupResult
-from kvoffload.specs import CPULoadStoreSpec
+from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec
+from kvoffload.tiers.factory import TierConfig, build_worker
 from kvoffload.tiers.mooncake.names import MooncakeLoadStoreSpec
+from kvoffload.tiers.mooncake.objects import SLOT_BYTES
 from kvoffload.tiers.mooncake.store import StoreClosed
-from kvoffload.tiers.redis.format import encode
+from kvoffload.tiers.redis.format import HEADER_BYTES, encode
 from kvoffload.tiers.secondary import TierContext, parse_secondary_tiers
 from kvoffload.tiers.tiered import TieredOffloadingManager
+from kvoffload.transfer.layout import KVLayout
 from mooncake_server import MooncakeServer
 from redis_replica import IDENTITY, k, until
-from transfer_oracle import host_block, make_pool
+from transfer_oracle import host_block, make_pool, three_group_layer_caches
 from worker_jobs import run_job
 
 HIT, MISS, RETRY, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.PENDING
 
 
-def test_blocks_round_trip_byte_exact_and_a_second_client_finds_them(mooncake_replicas):
-    a, b = mooncake_replicas(), mooncake_replicas()
+LAYOUTS = pytest.mark.parametrize("layout", list(POOLS))
+
+
+@LAYOUTS
+def test_blocks_round_trip_byte_exact_and_a_second_client_finds_them(mooncake_replicas, layout):
+    a, b = mooncake_replicas(layout), mooncake_replicas(layout)
     keys = [k(i) for i in range(6)]
     assert a.store(keys, list(range(6))).success
     events = a.manager.take_events()
@@ -34,19 +42,39 @@ def test_blocks_round_trip_byte_exact_and_a_second_client_finds_them(mooncake_re
     assert b.manager.lookup(keys[0]) is RETRY  # unknown: asked in the background
     assert [b.settle(key) for key in keys] == [HIT] * 6
     assert b.settle(k(99)) is MISS
+    others = {i: host_block(b.pool, i) for i in range(b.pool.num_blocks) if not 10 <= i < 16}
     spec = b.manager.prepare_load(keys)
     result = b.run(spec, CPULoadStoreSpec(range(10, 16)))
     b.manager.complete_load(keys)
     assert result.success and result.bytes == 6 * b.block_bytes, result
     for i in range(6):
         assert host_block(b.pool, 10 + i) == host_block(a.pool, i)
+    assert {i: host_block(b.pool, i) for i in others} == others  # no byte outside the loaded blocks
     assert b.manager.take_events() == []  # b did not store them: it does not announce them
     assert b.manager.counters().found == 6
 
 
-def test_a_second_store_of_a_block_keeps_the_first_object(mooncake_replicas, mooncake_server):
+def test_one_buffer_and_split_buffer_objects_are_the_same_bytes(mooncake_replicas):
+    """An engine whose pool has a row prefix (one buffer per object) and one without
+    (header slot and rows: a tensor-major pool) read each other's blocks byte-exact."""
+    one, split = mooncake_replicas("one buffer"), mooncake_replicas("split buffers")
+    assert one.worker.one_buffer and not split.worker.one_buffer
+    for writer, reader, base in ((one, split, 0), (split, one, 10)):
+        keys = [k(base + i) for i in range(3)]
+        assert writer.store(keys, [4, 5, 6]).success
+        assert [reader.settle(key) for key in keys] == [HIT] * 3
+        spec = reader.manager.prepare_load(keys)
+        assert reader.run(spec, CPULoadStoreSpec([7, 8, 9])).success
+        reader.manager.complete_load(keys)
+        assert [host_block(reader.pool, i) for i in (7, 8, 9)] == [
+            host_block(writer.pool, i) for i in (4, 5, 6)
+        ]
+
+
+@LAYOUTS
+def test_a_second_store_of_a_block_keeps_the_first_object(mooncake_replicas, mooncake_server, layout):
     """A put of a name the store holds answers success and keeps the old object (as SET NX)."""
-    a, b = mooncake_replicas(), mooncake_replicas()
+    a, b = mooncake_replicas(layout), mooncake_replicas(layout)
     assert a.store([k(0)], [0]).success
     assert b.store([k(0)], [3]).success  # b's host block 3 differs from a's block 0
     assert b.worker.counters().blocks_written == 1
@@ -73,14 +101,17 @@ def _promote(replica, keys):
     return cpu, tiered, results
 
 
-DAMAGES = ("flipped payload byte", "other namespace", "longer", "shorter")
+DAMAGES = ("flipped payload byte", "flipped key byte", "other namespace", "longer", "shorter")
 
 
-def test_a_corrupt_object_is_a_counted_miss_removed_and_never_loadable(mooncake_replicas, mooncake_server):
+@LAYOUTS
+def test_a_corrupt_object_is_a_counted_miss_removed_and_never_loadable(
+    mooncake_replicas, mooncake_server, layout
+):
     """Wrong bytes under a block's name (written with a raw client) land in host rows that
     are being written; the load fails, the CPU tier never offers the block, the object is
     removed from the store and counted. One block per kind of damage, each promoted alone."""
-    a = mooncake_replicas()
+    a = mooncake_replicas(layout)
     raw = mooncake_server.client()
     for n, damage in enumerate(DAMAGES, 1):
         key = k(100 + n)
@@ -88,6 +119,8 @@ def test_a_corrupt_object_is_a_counted_miss_removed_and_never_loadable(mooncake_
         value = bytearray(encode(key, [host_block(a.pool, n)], digest))
         if damage == "flipped payload byte":
             value[-5] ^= 0x40
+        elif damage == "flipped key byte":
+            value[HEADER_BYTES + 3] ^= 0x01
         elif damage == "longer":
             value += b"\0" * 64
         elif damage == "shorter":
@@ -166,12 +199,13 @@ def test_the_master_killed_mid_run_costs_misses_and_the_tier_recovers_after_a_re
     assert host_block(b.pool, 12) == host_block(a.pool, 0)
 
 
-def test_a_full_store_fails_puts_counted_and_nothing_unwritten_is_loadable(tmp_path):
+@pytest.mark.parametrize("prefix", [SLOT_BYTES, 0], ids=["one buffer", "split buffers"])
+def test_a_full_store_fails_puts_counted_and_nothing_unwritten_is_loadable(tmp_path, prefix):
     server = MooncakeServer(tmp_path, segment=16 << 20).start()  # Mooncake's smallest segment
     made = []
     try:
-        a = Replica(server, pool=big_pool(64, 64 << 10, seed=0))
-        b = Replica(server, pool=big_pool(64, 64 << 10, seed=1))
+        a = Replica(server, pool=big_pool(64, 64 << 10, seed=0, prefix=prefix))
+        b = Replica(server, pool=big_pool(64, 64 << 10, seed=1, prefix=prefix))
         made += [a, b]
         ids = list(range(64))
         results, stored = [], []
@@ -287,3 +321,72 @@ def test_budget_evictions_remove_what_this_engine_wrote_even_while_leased(moonca
     assert a.manager.counters().deleted == 4
     removed = [key for e in a.manager.take_events() if e.removed for key in e.keys]
     assert removed == [k(i) for i in range(4)]
+
+
+def test_an_engine_pool_built_beside_a_mooncake_tier_moves_device_blocks_through_one_buffer_objects(
+    mooncake_server,
+):
+    """``factory.build_worker`` as an engine calls it: the host pool gets the header prefix,
+    the Mooncake worker puts each object as one buffer, and device blocks go device ->
+    host -> store -> another host block -> other device blocks byte-exact."""
+    gen = torch.Generator().manual_seed(7)
+    caches, groups = three_group_layer_caches(16, gen)
+    layout = KVLayout.from_layer_tensors(caches, groups)
+    block = sum(layout.page_bytes(t) for t in range(len(layout.tensors)))
+    tiers = parse_secondary_tiers([mooncake_server.tier_config()])
+    router = build_worker(TierConfig(16 * block, secondary_tiers=tiers), layout, block, IDENTITY)
+    try:
+        engine, worker = router.workers
+        assert engine.host_pool.row_prefix_bytes == SLOT_BYTES and worker.one_buffer
+        assert worker.store.wait_ready(30)
+        sizes = [2, 2, 2, 0]  # device blocks 0, 1 of each live group -> host blocks 1..6
+
+        def move(job, src, dst, via):
+            result = run_job(via, job, src, dst, 30)
+            assert result.success, result.error
+
+        dev = DeviceLoadStoreSpec([0, 1, 0, 1, 0, 1], sizes, [0, 0, 0, 0])
+        move(1, dev, CPULoadStoreSpec(range(1, 7)), engine)
+        remote = MooncakeLoadStoreSpec([k(i) for i in range(1, 7)])
+        move(2, CPULoadStoreSpec(range(1, 7)), remote, worker)
+        move(3, remote, CPULoadStoreSpec([15, 9, 12, 10, 14, 8]), worker)
+        back = DeviceLoadStoreSpec([8, 9, 8, 9, 8, 9], sizes, [0, 0, 0, 0])
+        move(4, CPULoadStoreSpec([15, 9, 12, 10, 14, 8]), back, engine)
+        for g in range(3):
+            for t in layout.groups[g]:
+                assert torch.equal(layout.tensors[t][8:10], layout.tensors[t][0:2]), (g, t)
+    finally:
+        router.close()
+
+
+@LAYOUTS
+def test_jobs_of_several_batches_in_flight_at_once_are_byte_exact_and_a_bad_batch_fails_its_job_alone(
+    mooncake_replicas, layout
+):
+    """Batches of 2 blocks, jobs queued back to back: every store and load lands
+    byte-exact, and a load whose second batch names a missing object fails with it while
+    the loads around it succeed."""
+    a = mooncake_replicas(layout, batch_blocks=2, io_threads=1)
+    stores = {1: [0, 1, 2, 3, 4], 2: [5, 6, 7], 3: [8, 9, 10, 11, 12]}
+    for job, ids in stores.items():
+        a.worker.submit(job, CPULoadStoreSpec(ids), MooncakeLoadStoreSpec([k(i) for i in ids]))
+    a.worker.wait(list(stores), 30)
+    assert all(r.success for r in a.worker.poll())
+    sources = {i: host_block(a.pool, i) for i in range(13)}
+    loads = {
+        4: ([0, 1, 2, 3, 4], [15, 14, 13, 5, 6]),
+        5: ([5, 6, 99], [7, 8, 9]),  # k(99) was never stored: the second batch misses
+        6: ([8, 9, 10, 11, 12], [0, 1, 2, 3, 4]),
+    }
+    for job, (keys, ids) in loads.items():
+        a.worker.submit(job, MooncakeLoadStoreSpec([k(i) for i in keys]), CPULoadStoreSpec(ids))
+    a.worker.wait(list(loads), 30)
+    results = {r.job_id: r for r in a.worker.poll()}
+    assert results[4].success and results[6].success, results
+    assert not results[5].success and "no longer in the store" in results[5].error
+    for job in (4, 6):
+        keys, ids = loads[job]
+        assert [host_block(a.pool, i) for i in ids] == [sources[i] for i in keys], job
+    counters = a.worker.counters()
+    assert (counters.loads, counters.loads_failed, counters.missing_values) == (2, 1, 1)
+    assert counters.stores == 3 and counters.blocks_written == 13

@@ -28,4 +28,5 @@ class MooncakeLoadStoreSpec(RemoteLoadStoreSpec):
 
 def object_names(names: KeyNames, keys: Sequence[bytes]) -> list[str]:
     """The object name of each key (Mooncake keys are text)."""
-    return [name.decode() for name in names.names(keys)]
+    base = names.base.decode()
+    return [base + key.hex() for key in keys]

@@ -30,6 +30,7 @@ from kvoffload.settings import (
     one_of,
     text,
 )
+from kvoffload.tiers.mooncake.objects import SLOT_BYTES
 from kvoffload.tiers.mooncake.store import ClientSettings, MooncakeStore
 from kvoffload.tiers.redis.format import KeyNames
 from kvoffload.tiers.secondary import TierContext
@@ -99,6 +100,9 @@ MOONCAKE_KEYS = Schema((
 
 class MooncakeTierType(SharedStoreTierType):
     type_name = "mooncake"
+    # The host pool keeps each block's object header right before its payload
+    # (``kvoffload.tiers.mooncake.objects``): an object is then one buffer.
+    host_row_prefix_bytes = SLOT_BYTES
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         """``options``: every key of ``MOONCAKE_KEYS``, parsed (and checked together)."""

@@ -4,17 +4,17 @@ It is the ``kvoffload.worker.OffloadingWorker`` of routes ``CPU -> MOONCAKE`` (a
 and ``MOONCAKE -> CPU`` (a load), a peer of the other movers behind a ``WorkerRouter``.
 
 One object per block, in the Redis tier's value format (``kvoffload.tiers.redis.format``):
-header and key (``head``: magic, version, lengths, CRC32C of key and payload, namespace
-digest), then the payload (the block's row of every host-pool tensor, in tensor order).
-Where the header lives: in a small registered *staging* array of this worker (one row of
-``batch_blocks`` header slots per I/O thread), and the object is put from, and got into,
-two or more buffers at once (``batch_put_from_multi_buffers`` /
-``batch_get_into_multi_buffers``): the header slot, then the block's rows in the host
-pool, which is registered with the client as well. So the payload moves between the pool
-and the store with no Python copy, and a block is still one object: present or absent as
-a whole, one lease, one master round trip per block, none of the states a separate
-header object would add (a header without its payload, or the other way round, after an
-eviction or a restart). The only bytes Python writes are the 60 to 100 of each header.
+header and key (magic, version, lengths, CRC32C of key and payload, namespace digest),
+then the payload (the block's row of every host-pool tensor, in tensor order). Where it
+lies (``kvoffload.tiers.mooncake.objects``): in a host pool with a row prefix (what
+``kvoffload.tiers.factory`` builds when a Mooncake tier is configured) header, key and
+payload are one buffer of the pool, moved with ``batch_put_from`` / ``batch_get_into``;
+in any other pool the header sits in a slot of a small registered staging array and the
+object is moved as the slot and the block's rows (the ``_multi_buffers`` calls). Either
+way the payload moves between the pool and the store with no Python copy, and a block is
+one object: present or absent as a whole, one lease, one master round trip per block,
+none of the states a separate header object would add (a header without its payload, or
+the other way round, after an eviction or a restart).
 
 * store: ``submit(job_id, CPULoadStoreSpec(host_ids), MooncakeLoadStoreSpec(keys))`` puts
   host block ``host_ids[i]`` as ``keys[i]``'s object, in batches of ``batch_blocks``. A
@@ -23,14 +23,15 @@ eviction or a restart). The only bytes Python writes are the 60 to 100 of each h
   blocks it had no room for (``store_full``); any failed block fails the job (the blocks
   that were put stay, checked on every read like any other).
 * load: ``submit(job_id, MooncakeLoadStoreSpec(keys), CPULoadStoreSpec(host_ids))`` gets
-  each object into its header slot and its host block's rows, then checks it there: the
-  size, the header, the key, the namespace digest, the CRC32C of the key and the rows. A
+  each object into its host block (and header slot), then checks it there: the size, the
+  header, the key, the namespace digest, the CRC32C of the key and the payload. A
   missing object (evicted, or lost to a master restart) fails the load
   (``missing_values``); one that fails a check or does not fit its block fails it too, is
   removed from the store and is counted (``corrupt_values``): it never reaches the engine.
-  (Mooncake answers a get into buffers larger than the object with a transfer failure,
-  ``-800``, and one into smaller buffers with ``-600``: the first is told from a lost
-  segment holder by asking the object's size.)
+  (Mooncake answers a get into a buffer smaller than the object with ``-600``, one into a
+  larger buffer with the object's size, which the size check refuses, and a multi-buffer
+  get into larger buffers with a transfer failure, ``-800``, told from a lost segment
+  holder by asking the object's size.)
   A failed load leaves its host rows unspecified (they may hold a bad object's bytes: the
   rows of a load are reserved, not loadable, and a failed load never makes them so).
 
@@ -49,12 +50,10 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_MOONCAKE, LoadStoreSpec
-from kvoffload.tiers.host_rows import HostRows
 from kvoffload.tiers.mooncake.names import MooncakeLoadStoreSpec, object_names
+from kvoffload.tiers.mooncake.objects import MAX_KEY_BYTES, OneBuffer, layout_for
 from kvoffload.tiers.mooncake.store import (
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
@@ -64,7 +63,7 @@ from kvoffload.tiers.mooncake.store import (
     is_outage,
     split_codes,
 )
-from kvoffload.tiers.redis.format import HEADER_BYTES, CorruptValue, KeyNames, check_head, crc32c, head
+from kvoffload.tiers.redis.format import KeyNames
 from kvoffload.tiers.shared_store_jobs import check_job
 from kvoffload.validation import positive_int
 from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
@@ -72,7 +71,6 @@ from kvoffload.worker import JobBook, OffloadingWorker, Route, TransferResult
 STORE = "mooncake_store"  # host -> Mooncake
 LOAD = "mooncake_load"  # Mooncake -> host
 _DIRECTIONS: dict[Route, str] = {(MEDIUM_CPU, MEDIUM_MOONCAKE): STORE, (MEDIUM_MOONCAKE, MEDIUM_CPU): LOAD}
-MAX_KEY_BYTES = 64  # an OffloadKey: a block hash (32 bytes for sha256) and a 4-byte group
 
 
 @dataclass
@@ -95,6 +93,11 @@ class _JobFailed(Exception):
     pass
 
 
+def _why(exc: BaseException) -> str:
+    """A failed job's error text."""
+    return str(exc) if isinstance(exc, _JobFailed) else f"{type(exc).__name__}: {exc}"
+
+
 class MooncakeWorker(OffloadingWorker):
     """Moves blocks between ``host_pool`` and the store behind ``store`` (which it owns
     from now on: ``close`` closes it)."""
@@ -113,22 +116,11 @@ class MooncakeWorker(OffloadingWorker):
         threads = positive_int("io_threads", io_threads)
         self._batch = positive_int("batch_blocks", batch_blocks)
         self.host_pool = host_pool
-        self._host = HostRows(host_pool)
-        self.block_bytes = self._host.block_bytes
         self.store = store
         self._names = names
-        tensors = list(host_pool.tensors)
-        self._base = min(t.data_ptr() for t in tensors) if self._host.num_blocks else 0
-        self._widths = [w for _, _, w in self._host.segments]
-        region = getattr(host_pool, "region", None)
-        if region is not None and region.numel():
-            store.register(region.data_ptr(), region.numel())
-        elif self._host.num_blocks:
-            end = max(t.data_ptr() + (t.shape[0] - 1) * t.stride(0) + t.shape[1] for t in tensors)
-            store.register(self._base, end - self._base)
-        self._slot = HEADER_BYTES + MAX_KEY_BYTES
-        self._staging = np.zeros((threads, self._batch, self._slot), dtype=np.uint8)
-        store.register(self._staging.ctypes.data, self._staging.nbytes)
+        self._objects = layout_for(host_pool, names.digest, store.register, threads, self._batch)
+        self.block_bytes = self._objects.size
+        self.one_buffer = isinstance(self._objects, OneBuffer)  # each object one buffer of the pool
         self._thread = threading.local()
         order = itertools.count()
 
@@ -162,18 +154,23 @@ class MooncakeWorker(OffloadingWorker):
     # -- the jobs ------------------------------------------------------------------------
 
     def _run(self, job_id: int, direction: str, host_ids: list[int], keys: list[bytes]) -> None:
+        """A job on one I/O thread: headers, calls and checks, batch after batch."""
         start = time.perf_counter()
         error = None
         try:
-            step = self._batch
-            move = self._store if direction == STORE else self._load
+            row, step = self._thread.row, self._batch
             for i in range(0, len(keys), step):
-                move(host_ids[i : i + step], keys[i : i + step])
-            moved = self.block_bytes * len(keys)
-        except _JobFailed as exc:
-            moved, error = 0, str(exc)
+                h, k = host_ids[i : i + step], keys[i : i + step]
+                if direction == STORE:
+                    self._put(k, self._objects.put(row, h, k))
+                else:
+                    self._check(row, h, k, *self._get(row, h, k))
         except Exception as exc:  # noqa: BLE001 - a job never raises into the engine
-            moved, error = 0, f"{type(exc).__name__}: {exc}"
+            error = _why(exc)
+        self._finish(job_id, direction, start, error, len(keys))
+
+    def _finish(self, job_id: int, direction: str, start: float, error: str | None, blocks: int) -> None:
+        moved = self.block_bytes * blocks if error is None else 0
         with self._lock:
             counters = self._counters
             if direction == STORE:
@@ -188,33 +185,16 @@ class MooncakeWorker(OffloadingWorker):
                 TransferResult(job_id, error is None, moved, time.perf_counter() - start, direction, error)
             )
 
-    def _buffers(self, host_ids: list[int], heads: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """Per block: [header slot, its rows in the pool] as pointers and sizes."""
-        slots = self._staging[self._thread.row]
-        slot0, slot = slots.ctypes.data, self._slot
-        base, segments, widths = self._base, self._host.segments, self._widths
-        ptrs = [
-            [slot0 + j * slot, *(base + o + b * s for o, s, _ in segments)] for j, b in enumerate(host_ids)
-        ]
-        sizes = [[n, *widths] for n in heads]
-        return ptrs, sizes
-
-    def _store(self, host_ids: list[int], keys: list[bytes]) -> None:
-        digest, block = self._names.digest, self._host.block
-        slots = self._staging[self._thread.row]
-        heads = []
-        for j, (b, key) in enumerate(zip(host_ids, keys)):
-            h = head(key, block(b), digest)
-            slots[j, : len(h)] = np.frombuffer(h, dtype=np.uint8)
-            heads.append(len(h))
-        ptrs, sizes = self._buffers(host_ids, heads)
-        names = object_names(self._names, keys)
-        codes = split_codes(self.store.call("batch_put_from_multi_buffers", names, ptrs, sizes), len(keys))
+    def _put(self, keys: list[bytes], call) -> None:
+        method, ptrs, sizes = call
+        codes = split_codes(self.store.call(method, object_names(self._names, keys), ptrs, sizes), len(keys))
+        failed = len(codes) - codes.count(0)
+        full = codes.count(NO_AVAILABLE_HANDLE) if failed else 0
         with self._lock:
-            self._counters.blocks_written += sum(1 for c in codes if c == 0)
-            self._counters.store_full += sum(1 for c in codes if c == NO_AVAILABLE_HANDLE)
-        bad = next((c for c in codes if c != 0), None)
-        if bad is not None:
+            self._counters.blocks_written += len(codes) - failed
+            self._counters.store_full += full
+        if failed:
+            bad = next(c for c in codes if c != 0)
             why = (
                 "the store is full"
                 if bad == NO_AVAILABLE_HANDLE
@@ -222,54 +202,55 @@ class MooncakeWorker(OffloadingWorker):
                 if is_outage(bad)
                 else ""
             )
-            failed = sum(1 for c in codes if c != 0)
             raise _JobFailed(
                 f"store failed: {failed} of {len(codes)} puts returned an error ({bad}) {why}".rstrip()
             )
 
-    def _load(self, host_ids: list[int], keys: list[bytes]) -> None:
-        digest, block, size = self._names.digest, self._host.block, self.block_bytes
-        heads = [HEADER_BYTES + len(key) for key in keys]
-        ptrs, sizes = self._buffers(host_ids, heads)
+    def _get(self, row: int, host_ids: list[int], keys: list[bytes]) -> tuple[list[int], list[str], list]:
+        """The get of one batch: Mooncake's codes, the object names and sizes."""
+        method, ptrs, sizes = self._objects.get(row, host_ids, keys)
         names = object_names(self._names, keys)
-        codes = split_codes(self.store.call("batch_get_into_multi_buffers", names, ptrs, sizes), len(keys))
-        slots = self._staging[self._thread.row]
-        corrupt: list[str] = []
+        return split_codes(self.store.call(method, names, ptrs, sizes), len(keys)), names, sizes
+
+    def _check(self, row: int, host_ids: list[int], keys: list[bytes], codes, names, sizes) -> None:
+        """Fails (``_JobFailed``) unless every object of a got batch is its block's."""
+        objects = self._objects
+        corrupt: dict[int, str] = {}
         failure = None
         missing = 0
-        for j, (b, key, code) in enumerate(zip(host_ids, keys, codes)):
-            try:
-                if code == OBJECT_NOT_FOUND:
-                    missing += 1
-                    failure = failure or f"block {key.hex()} is no longer in the store"
-                    continue
-                if code == INVALID_PARAMS:  # larger than its buffers: not this block
-                    raise CorruptValue("the object is larger than the block")
-                if code == TRANSFER_FAIL:  # also what an object smaller than its buffers gets
-                    held = self.store.call("get_size", names[j])
-                    if isinstance(held, int) and held >= 0 and held != heads[j] + size:
-                        raise CorruptValue(f"the object holds {held} bytes, not {heads[j] + size}")
-                if code < 0:
-                    failure = failure or f"load failed: get returned {code}"
-                    continue
-                crc = check_head(slots[j, : heads[j]], key, digest, size, code)
-                got = crc32c(key)
-                for view in block(b):
-                    got = crc32c(view, got)
-                if got != crc:
-                    raise CorruptValue("CRC32C mismatch")
-            except CorruptValue as exc:
-                corrupt.append(names[j])
-                failure = failure or f"block {key.hex()} is corrupt: {exc}"
+        for j, code in enumerate(codes):
+            if code >= 0:
+                continue
+            if code == OBJECT_NOT_FOUND:
+                missing += 1
+                failure = failure or f"block {keys[j].hex()} is no longer in the store"
+            elif code == INVALID_PARAMS:  # larger than its buffers: not this block
+                corrupt[j] = "the object is larger than the block"
+            elif (
+                code == TRANSFER_FAIL and objects.short_is_transfer_fail and self._shorter(names[j], sizes[j])
+            ):
+                corrupt[j] = f"the object is not {sum(sizes[j])} bytes"
+            else:
+                failure = failure or f"load failed: get returned {code}"
+        for j, exc in objects.check(row, host_ids, keys, codes):
+            corrupt[j] = str(exc)
         with self._lock:
             self._counters.missing_values += missing
             self._counters.corrupt_values += len(corrupt)
         if corrupt:
-            self.store.call("batch_remove", corrupt, True)
+            self.store.call("batch_remove", [names[j] for j in corrupt], True)
+            j, why = next(iter(corrupt.items()))
+            failure = failure or f"block {keys[j].hex()} is corrupt: {why}"
         if failure:
             raise _JobFailed(failure)
         with self._lock:
             self._counters.blocks_read += len(keys)
+
+    def _shorter(self, name: str, sizes: list[int]) -> bool:
+        """Whether the object the store holds is not of ``sizes``' total (a multi-buffer get
+        into larger buffers fails as a lost holder does)."""
+        held = self.store.call("get_size", name)
+        return isinstance(held, int) and held >= 0 and held != sum(sizes)
 
     # -- results -------------------------------------------------------------------------
 
@@ -285,7 +266,7 @@ class MooncakeWorker(OffloadingWorker):
 
     def close(self) -> None:
         """Let queued jobs finish (each bounded by Mooncake's own timeouts), then close the
-        client (which unregisters the pool and the staging array)."""
+        client (which unregisters the pool and any staging array)."""
         if self._jobs.close():
             self._pool.shutdown(wait=True)
             self.store.close()
