@@ -16,7 +16,10 @@ step of that phase is timed: the connector's scheduler-side calls by kind (match
 ``update_state_after_alloc``; metadata: ``build_connector_meta``; finished:
 ``request_finished*`` + ``update_connector_output``; events: ``take_events``, drained) and
 vLLM's whole step (``schedule`` + ``update_from_output``) around them. The two connectors
-alternate, each case ``--reps`` times; figures are the median over repetitions.
+alternate, each case ``--reps`` times; figures are the median over repetitions. What the
+untimed warm-up left is frozen out of the garbage collector (``gc.freeze``), as vLLM's
+engine freezes its start-up heap: a full collection of that heap (about a second) would
+otherwise land in whichever call, of either connector, happens to allocate then.
 
 Reported per case and connector: us per decode step (a step where every scheduled request
 computes one token and none finishes) by kind and in all, with vLLM's whole step; and the
@@ -235,6 +238,11 @@ def run_case(model, which, n, tokens, decode, new, more, profile=False) -> dict[
         sched.add_request(Request(f"w{i}", p, params, None, block_hasher=hasher))
     drain(sched, which)
     assert sched.reset_prefix_cache(), "vLLM's prefix cache did not reset"
+    # What the warm-up left (vLLM's blocks, the tier's index of N x tokens blocks: a million
+    # objects) is frozen out of the collector, as vLLM's engine freezes its start-up heap:
+    # else a full collection (about a second here) lands in whichever call allocates then.
+    gc.collect()
+    gc.freeze()
     timers = Timers()
     timers.wrap(sched.connector)
     for i, p in enumerate(prompts):
@@ -277,6 +285,7 @@ def run_case(model, which, n, tokens, decode, new, more, profile=False) -> dict[
     result["loaded tokens per request"] = (LOADED[which] - loaded) * BLOCK / n
     sched.shutdown()
     del sched
+    gc.unfreeze()
     gc.collect()
     return result
 

@@ -123,9 +123,9 @@ def test_preemption_flushes_exactly_the_preempted_requests_jobs():
     sched.on_allocated("c", [[20, 21]], 0)
     plan = sched.build_step([StepRequest("b", None, 16), StepRequest("c", None, 4)])
     (load,) = plan.loads
-    b_store, c_store = plan.stores
-    assert (load.req_id, b_store.req_id, c_store.req_id) == ("b", "b", "c")
-    assert ids(b_store.src_spec) == [13]  # blocks 0-2 already offloaded: only block 3 is new
+    (b_store,) = plan.stores  # one job for both requests' blocks
+    assert (load.req_id, b_store.req_id) == ("b", "")
+    assert ids(b_store.src_spec) == [13, 20]  # b's blocks 0-2 already offloaded: only block 3 is new
     d = Req("d", [200 + i for i in range(4)])  # scheduled, nothing in flight
     sched.match(d, 0)
     sched.on_allocated("d", [[30]], 0)
@@ -133,7 +133,7 @@ def test_preemption_flushes_exactly_the_preempted_requests_jobs():
     assert plan.flush == {"b": sorted([load.job_id, b_store.job_id])}
     assert [s.req_id for s in plan.stores] == ["c"]
     assert sched.build_step([]).flush == {}  # said once
-    sched.complete_jobs([(j.job_id, True) for j in (load, b_store, c_store, *plan.stores)])
+    sched.complete_jobs([(j.job_id, True) for j in (load, b_store, *plan.stores)])
     assert manager.stats().pinned == 0
 
 

@@ -11,6 +11,7 @@ _EXPORTS = {
     "EventConverter": "kvoffload.scheduler.events",
     "KVGroup": "kvoffload.scheduler.types",
     "RequestView": "kvoffload.scheduler.types",
+    "RunningRequests": "kvoffload.scheduler.types",
     "StepPlan": "kvoffload.scheduler.types",
     "StepRequest": "kvoffload.scheduler.types",
     "TransferJob": "kvoffload.scheduler.types",

@@ -72,6 +72,10 @@ class SchedulerBase:
         self.hash_block_size = hash_block_size
         self._tokens = [group.block_size * blocks_per_offload_block for group in groups]
         self._extra_keys = block_extra_keys or view_extra_keys
+        # the offloaded groups stored block by block: (group, tokens per block, volatile tail)
+        self._block_groups = [
+            (g, self._tokens[g], groups[g].volatile_tail) for g in self._offloaded if not groups[g].is_state
+        ]
         self._blocks = BlockKeys(
             self._tokens, hash_block_size, hasher or BlockHasher(), self._extra_keys, null_block_id
         )
@@ -85,6 +89,13 @@ class SchedulerBase:
         self._hold: dict[str, list[int]] = {}
         self._flush: dict[str, list[int]] = {}
         self._freeable: set[str] = set()
+        # Per request, read in C loops by a decode step (``kvoffload.scheduler.stores``): the
+        # computed tokens below which a request that only ran has nothing new to store (any
+        # change to its ``stored_blocks`` resets it to 0: look again), and the computed
+        # tokens the cheap form of its steps last said (folded into ``computed_tokens``
+        # on every other path)
+        self._store_at: dict[str, float] = {}
+        self._running_computed: dict[str, int] = {}
         self._reuse = ReuseFilter(store_threshold, store_threshold_memory)
         self.offload_prompt_only = offload_prompt_only
         self.stats = SchedulerStats()
@@ -101,6 +112,16 @@ class SchedulerBase:
         if req_id:
             self._requests[req_id].jobs.add(job_id)
         return job_id
+
+    def _computed_tokens(self, req_id: str, state: RequestState) -> int:
+        """The most tokens whose KV the request had (``RequestState.computed_tokens``)."""
+        state.computed_tokens = max(state.computed_tokens, self._running_computed.pop(req_id, 0))
+        return state.computed_tokens
+
+    def _forget(self, req_id: str) -> None:
+        """The request is gone from ``_requests``: drop what the decode steps keep of it."""
+        self._store_at.pop(req_id, None)
+        self._running_computed.pop(req_id, None)
 
     def _remember(self, state: RequestState, hashes, g: int, j: int, key: OffloadKey) -> None:
         """What offloaded block ``j`` of group ``g`` holds, for its ``BlockStored``."""

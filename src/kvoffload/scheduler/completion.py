@@ -47,12 +47,15 @@ class Completion(SchedulerBase):
                         self.manager.prepare_load(keys)  # loadable now: pinned for its load
             elif job.is_store:
                 self.manager.complete_store(job.keys, success)
+                parts = job.parts if job.parts is not None else [(job.req_id, job.keys)]
                 if success:
                     self.stats.blocks_stored += len(job.keys)
-                    if state is not None:
-                        state.inserted.update(job.keys)
+                    for req_id, keys in parts:
+                        owner = self._requests.get(req_id)
+                        if owner is not None:
+                            owner.inserted.update(keys)
                 else:
-                    self.stats.failed_stores += 1
+                    self.stats.failed_stores += len(parts)
                     self._events.forget(job.keys)
             else:
                 self.manager.complete_load(
@@ -67,12 +70,23 @@ class Completion(SchedulerBase):
                     self.stats.failed_load_tokens += job.tokens
                     if state is not None:
                         state.load_failed = True
-            if state is not None:
-                state.jobs.discard(job_id)
-                if state.finished and not state.jobs:
-                    del self._requests[job.req_id]
-                    self._freeable.add(job.req_id)
-                    self._finish(state)
+            if job.parts is not None:
+                for req_id, _ in job.parts:
+                    self._job_ended(req_id, job_id)
+            elif state is not None:
+                self._job_ended(job.req_id, job_id)
+
+    def _job_ended(self, req_id: str, job_id: int) -> None:
+        """A job of request ``req_id`` ended: a finished request with none left is freeable."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        state.jobs.discard(job_id)
+        if state.finished and not state.jobs:
+            del self._requests[req_id]
+            self._freeable.add(req_id)
+            self._finish(state)
+            self._forget(req_id)
 
     def request_finished(self, req_id: str) -> bool:
         """Whether the engine must hold the request's device blocks until its jobs finish."""
@@ -95,6 +109,7 @@ class Completion(SchedulerBase):
         if not state.jobs:
             del self._requests[req_id]
             self._finish(state)
+            self._forget(req_id)
             return False
         state.finished = True
         self._hold[req_id] = sorted(state.jobs)
@@ -134,6 +149,8 @@ class Completion(SchedulerBase):
         self._chains.clear()
         for state in self._requests.values():
             state.stored_blocks = [0] * len(self.groups)
+            state.loaded_range = []
+            self._store_at[state.request.request_id] = 0
             self._finish(state)  # no request's lifecycle spans a reset
         self._wire_events += self._events.convert(self.manager.take_events())
         self.manager.reset()
@@ -151,12 +168,13 @@ class Completion(SchedulerBase):
             return
         state.announced = False
         hashes = self._blocks.hashes(state.request)
+        computed = self._computed_tokens(state.request.request_id, state)
         key_groups = []
         for g, tokens in enumerate(self._tokens):
             if not self.groups[g].offloaded:
                 key_groups.append([])
                 continue
-            blocks = max(state.computed_tokens // tokens, state.loaded_blocks[g])
+            blocks = max(computed // tokens, state.loaded_blocks[g])
             key_groups.append(
                 self._blocks.request_keys(
                     state.keys[g], hashes, g, 0, min(self._blocks.num_full(hashes, g), blocks)

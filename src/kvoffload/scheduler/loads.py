@@ -23,16 +23,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
+from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.keys import OffloadKey
-from kvoffload.manager import LookupResult, RequestContext
+from kvoffload.manager import LookupResult, OffloadingManager, RequestContext
 from kvoffload.scheduler.base import SchedulerBase
+from kvoffload.scheduler.blocks import device_spec
 from kvoffload.scheduler.chains import LoadChains
 from kvoffload.scheduler.sources import tokens_by_source
 from kvoffload.scheduler.state import RequestState
 from kvoffload.scheduler.types import RequestView, TransferJob
-from kvoffload.specs import DeviceLoadStoreSpec
+
+_ref = attrgetter("ref")
 
 
 class Loads(SchedulerBase):
@@ -44,6 +48,14 @@ class Loads(SchedulerBase):
         # the promotion's outcome first, the load in a later step)
         self.chain_promotions = True
         self._chains = LoadChains()
+        # A plain CPU tier's block table: a run of keys is looked up in C loops (and the
+        # answers counted as its ``lookup`` would); other managers are asked key by key
+        manager = self.manager
+        cpu = CPUOffloadingManager
+        plain = isinstance(manager, cpu) and type(manager).lookup is cpu.lookup
+        self._table = manager.block_table if plain else None
+        # every loaded key comes from the manager's own medium (no lower tier to name)
+        self._one_source = type(manager).load_source is OffloadingManager.load_source
 
     # -- matching ----------------------------------------------------------------------
 
@@ -81,6 +93,11 @@ class Loads(SchedulerBase):
             waiting = False
             keys = self._blocks.request_keys(state.keys[g], hashes, g, start, end)
             looked = len(keys)
+            if self._table is not None:
+                found = self._leading_hits(keys)
+                if found is not None:
+                    hit_tokens = min(hit_tokens, (start + found) * tokens)
+                    continue
             for j, key in enumerate(keys, start):
                 result = self.manager.lookup(key)
                 if result is LookupResult.HIT:
@@ -116,6 +133,17 @@ class Loads(SchedulerBase):
                 return None
         return max(0, hit_tokens - num_computed_tokens)
 
+    def _leading_hits(self, keys: list[OffloadKey]) -> int | None:
+        """How many leading keys the CPU tier holds loadable, with the hits and the miss
+        counted as ``lookup`` key by key would; ``None`` (nothing counted) where a store
+        in flight comes first (the general path then says ``PENDING``)."""
+        statuses = list(map(self._table.get, keys))
+        end = statuses.index(None) if None in statuses else len(statuses)
+        if end and min(map(_ref, statuses[:end])) < 0:
+            return None
+        self.manager.count_lookups(end, int(end < len(statuses)))
+        return end
+
     def _state_hit(
         self, state: RequestState, hashes, g: int, num_computed_tokens: int, bound: int
     ) -> int | None:
@@ -144,6 +172,7 @@ class Loads(SchedulerBase):
             state = RequestState(request, context, [[] for _ in range(n)], [0] * n, [0] * n)
             state.keys, state.loaded_blocks = [[] for _ in range(n)], [0] * n
             self._requests[request.request_id] = state
+            self._store_at[request.request_id] = 0  # nothing offered yet: look at its first step
             self.manager.on_new_request(context)
         return state
 
@@ -168,7 +197,9 @@ class Loads(SchedulerBase):
         device_ids: list[int] = []
         sizes: list[int] = []
         indices: list[int] = []
-        ranges: list[tuple[int, int, OffloadKey]] = []
+        ranges: list[tuple[int, int, OffloadKey]] = []  # each key's tokens (several media)
+        runs: list[tuple[int, int, str]] = []  # each group's tokens (one medium)
+        loaded_range = [(0, 0)] * len(self.groups)
         f = self.blocks_per_offload_block
         for g, tokens in enumerate(self._tokens):
             if not self.groups[g].offloaded or (self.groups[g].is_state and end_tokens % tokens):
@@ -193,7 +224,11 @@ class Loads(SchedulerBase):
             )
             group_keys = self._blocks.request_keys(state.keys[g], hashes, g, first_device // f, last)
             first = first_device // f
-            ranges += [(j * tokens, (j + 1) * tokens, key) for j, key in enumerate(group_keys, first)]
+            if self._one_source:
+                runs.append((first * tokens, last * tokens, self.manager.medium))
+            else:
+                ranges += [(j * tokens, (j + 1) * tokens, key) for j, key in enumerate(group_keys, first)]
+            loaded_range[g] = (first, last)
             keys += group_keys
             state.loaded_blocks[g] = max(state.loaded_blocks[g], last)
             ids = state.block_ids[g][first_device : last * f]
@@ -207,9 +242,13 @@ class Loads(SchedulerBase):
             host_spec, waiting = self.manager.prepare_load(keys), None
         self.stats.tokens_loaded += num_external_tokens
         self.stats.loads_planned += 1
-        source = self.manager.load_source
-        spans = ((a, b, source(k)) for a, b, k in ranges)
-        state.load_sources = tokens_by_source(spans, num_computed_tokens, end_tokens)
+        if not self._one_source:
+            source = self.manager.load_source
+            runs = [(a, b, source(k)) for a, b, k in ranges]
+        state.load_sources = tokens_by_source(runs, num_computed_tokens, end_tokens)
+        # blocks in the tier now (pinned) are not offered to it again; not those a chained
+        # load still waits for (a failed promotion leaves them out of the tier)
+        state.loaded_range = [] if waiting else loaded_range
         for medium, count in state.load_sources.items():
             self.tokens_by_source[medium] = self.tokens_by_source.get(medium, 0) + count
         job = self._new_job(req_id, False, keys)
@@ -217,7 +256,7 @@ class Loads(SchedulerBase):
         if waiting:
             self._chains.add(job, waiting)
         self._pending_loads.append(
-            TransferJob(job, req_id, False, host_spec, DeviceLoadStoreSpec(device_ids, sizes, indices))
+            TransferJob(job, req_id, False, host_spec, device_spec(device_ids, sizes, indices))
         )
 
     def load_sources(self, req_id: str) -> dict[str, int]:

@@ -39,6 +39,8 @@ class Job:
     keys: list[OffloadKey]
     token: int | None = None  # the manager's TierTransfer token
     tokens: int = 0  # a load: the tokens it hands to the engine
+    # a store of several requests' blocks (``req_id`` is ""): each request and its keys
+    parts: list[tuple[str, list[OffloadKey]]] | None = None
 
 
 @dataclass
@@ -60,7 +62,5 @@ class RequestState:
     reused: set[OffloadKey] = field(default_factory=set)  # its completed loads' keys
     announced: bool = True  # on_new_request said, on_request_finished not yet
     load_sources: dict[str, int] = field(default_factory=dict)  # its last load's tokens per medium
-    # computed tokens from which its next store may be planned, and the ``stored_blocks``
-    # that bound was worked out from (``kvoffload.scheduler.stores``)
-    next_store: float = 0
-    next_store_from: list[int] = field(default_factory=list)
+    # per group: the blocks ``[lo, hi)`` its load found in the tier (never offered to it again)
+    loaded_range: list[tuple[int, int]] = field(default_factory=list)

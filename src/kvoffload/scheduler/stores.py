@@ -2,11 +2,22 @@
 
 3. ``build_step(scheduled, preempted, running)``: returns the ``StepPlan``: planned loads,
    and stores of every offloaded block whose tokens are computed once this step has run.
-   ``running`` is the cheap form of a ``StepRequest`` for the bulk of a decode step:
-   ``(req_id, num_computed_tokens)`` of a request that got no new device blocks, no
-   states and no replaced block table; a request is looked at further only once its
-   computed tokens reach its next offloaded block's end (so a step of a thousand
-   decoding requests costs a dict lookup and a comparison for most of them).
+   ``running`` is the cheap form of a ``StepRequest`` for the bulk of a decode step: a
+   ``RunningRequests`` (parallel lists: ids, computed tokens, new device blocks or
+   ``None``) or ``(req_id, num_computed_tokens)`` pairs (no new device blocks), of
+   requests with no states and no replaced block table. A request is looked at only once
+   its computed tokens reach its next offloaded block's end: a step of a thousand decoding
+   requests where none does runs a few C loops over the lists and no Python per request.
+
+Stores of one step are reserved together: one ``prepare_store`` for the blocks of every
+request (group-major), one ``TransferJob`` of them all (``req_id`` ``""`` when it holds
+blocks of several requests; the scheduler knows each request's part, and each request
+counts the job among its own). Where the tier cannot take them all at once, each request's
+blocks are reserved on their own, as a prefix (see ``_reserve``). A request with states
+(Mamba) gets its own job.
+
+A request that loaded blocks from the tier is not offered them for storing again: they
+are in the tier already (``RequestState.loaded_range``).
 
 Reuse filter: with ``store_threshold=n > 1`` a block is offered for storing only once
 ``n`` requests asked for it (``kvoffload.scheduler.reuse``); the blocks held back are
@@ -16,27 +27,26 @@ counted in ``stats.skipped_stores``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-
-import numpy as np
+from itertools import compress, repeat
+from operator import ge, is_not
 
 from kvoffload.keys import OffloadKey
 from kvoffload.scheduler.base import SchedulerBase
+from kvoffload.scheduler.blocks import device_spec
 from kvoffload.scheduler.state import RequestState
-from kvoffload.scheduler.types import StepPlan, StepRequest, TransferJob
-from kvoffload.specs import DeviceLoadStoreSpec
+from kvoffload.scheduler.types import RunningRequests, StepPlan, StepRequest, TransferJob
 
 _NEVER = float("inf")
 
 
-def _device_spec(block_ids: list[int], sizes: list[int], indices: list[int]) -> DeviceLoadStoreSpec:
-    """``DeviceLoadStoreSpec(block_ids, sizes, indices)`` without its checks of outside
-    input (about 20 us, most of a one-block store's planning on the engine's step): the
-    lists built above are non-negative ints whose sizes add up to the ids."""
-    spec = DeviceLoadStoreSpec.__new__(DeviceLoadStoreSpec)
-    spec.block_ids = np.array(block_ids, dtype=np.int64)
-    spec.group_sizes = np.array(sizes, dtype=np.int64)
-    spec.block_indices = np.array(indices, dtype=np.int64)
-    return spec
+def _one(block: int) -> list[int]:
+    return [block]
+
+
+# (group, offloaded block, key, device blocks)
+Candidate = tuple[int, int, OffloadKey, Sequence[int]]
+# (request id, its state, its hashes, its candidates)
+Offer = tuple[str, RequestState, Sequence[bytes], list[Candidate]]
 
 
 class Stores(SchedulerBase):
@@ -46,18 +56,22 @@ class Stores(SchedulerBase):
         self,
         scheduled: Iterable[StepRequest],
         preempted: Iterable[str] = (),
-        running: Iterable[tuple[str, int]] = (),
+        running: RunningRequests | Iterable[tuple[str, int]] = (),
     ) -> StepPlan:
         plan = StepPlan(loads=self._pending_loads)
         self._pending_loads = []
         for transfer in self.manager.take_transfers():
             job_id = self._new_job("", False, [], transfer.token)
             plan.transfers.append(TransferJob(job_id, "", False, transfer.src_spec, transfer.dst_spec))
+        offers: list[Offer] = []
+        store_at = self._store_at
         for step in scheduled:
             state = self._requests.get(step.req_id)
             if state is None:
                 continue
-            state.computed_tokens = max(state.computed_tokens, step.num_computed_tokens)
+            computed = step.num_computed_tokens
+            self._computed_tokens(step.req_id, state)
+            state.computed_tokens = max(state.computed_tokens, computed)
             if step.new_block_ids is not None:
                 self._flush_fenced(step.new_block_ids)
                 if step.replace_block_ids:
@@ -65,36 +79,51 @@ class Stores(SchedulerBase):
                 else:
                     for ids, new in zip(state.block_ids, step.new_block_ids):
                         ids.extend(new)
-            elif (
-                not step.states
-                and step.num_computed_tokens < state.next_store
-                and state.stored_blocks == state.next_store_from
-            ):
-                continue  # nothing new to store (as for ``running``)
-            job = self._plan_store(step.req_id, state, step.num_computed_tokens, step.states)
-            if job is not None:
-                plan.stores.append(job)
-        requests = self._requests
-        for req_id, computed in running:
-            state = requests.get(req_id)
-            if state is None:
-                continue
-            if computed > state.computed_tokens:
-                state.computed_tokens = computed
-            # a store is possible only past the next block's end (with the counts it was
-            # worked out from unchanged)
-            if computed < state.next_store and state.stored_blocks == state.next_store_from:
-                continue
-            job = self._plan_store(req_id, state, computed)
-            if job is not None:
-                plan.stores.append(job)
+            if step.states:  # its own job (a state's device block is fenced by it)
+                job = self._own_job(self._offer(step.req_id, state, computed, step.states))
+                if job is not None:
+                    plan.stores.append(job)
+            elif computed >= store_at.get(step.req_id, 0):
+                offers.append(self._offer(step.req_id, state, computed))
+        if not isinstance(running, RunningRequests):
+            pairs = list(running)
+            running = RunningRequests([p[0] for p in pairs], [p[1] for p in pairs])
+        ids, computed = running.req_ids, running.computed
+        if running.new_block_ids is not None:
+            self._append_blocks(ids, running.new_block_ids)
+        if ids:
+            # C loops only: the computed tokens said last (a running request's only grow but
+            # for rejected draft tokens, whose KV never counted), and who reached its next store
+            known = self._running_computed
+            known.update(zip(ids, computed))
+            if len(known) > len(self._requests):  # ids of requests it does not know
+                for req_id in [r for r in known if r not in self._requests]:
+                    del known[req_id]
+            reached = list(map(ge, computed, map(store_at.get, ids, repeat(_NEVER))))
+            if True in reached:
+                requests = self._requests
+                for req_id, tokens in compress(zip(ids, computed), reached):
+                    offers.append(self._offer(req_id, requests[req_id], tokens))
+        plan.stores += self._store_jobs([offer for offer in offers if offer[3]])
         for req_id in preempted:
             state = self._requests.get(req_id)
-            if state is not None and state.jobs:
-                self._flush[req_id] = sorted(state.jobs)
+            if state is not None:
+                self._computed_tokens(req_id, state)
+                if state.jobs:
+                    self._flush[req_id] = sorted(state.jobs)
         plan.hold_blocks, self._hold = self._hold, {}
         plan.flush, self._flush = self._flush, {}
         return plan
+
+    def _append_blocks(self, ids: Sequence[str], new_block_ids: Sequence) -> None:
+        """The device blocks a decode step gave some of the running requests."""
+        requests = self._requests
+        for req_id, new in compress(zip(ids, new_block_ids), map(is_not, new_block_ids, repeat(None))):
+            state = requests.get(req_id)
+            if state is not None:
+                self._flush_fenced(new)
+                for have, more in zip(state.block_ids, new):
+                    have.extend(more)
 
     def _flush_fenced(self, new_block_ids: Sequence[Sequence[int]]) -> None:
         """A state's device block is the engine's to reuse once the next state is written:
@@ -108,18 +137,19 @@ class Stores(SchedulerBase):
                     if job is not None:
                         self._flush.setdefault(job.req_id, []).append(job_id)
 
-    def _plan_store(
+    def _offer(
         self, req_id: str, state: RequestState, num_computed_tokens: int, states: Iterable = ()
-    ) -> TransferJob | None:
+    ) -> Offer:
+        """The blocks of the request to store now, in group-major order (its
+        ``stored_blocks`` move past them, and its next store bound with them)."""
         hashes = self._blocks.hashes(state.request)
-        # (group, offloaded block, key, device blocks)
-        candidates: list[tuple[int, int, OffloadKey, Sequence[int]]] = []
+        candidates: list[Candidate] = []
         f = self.blocks_per_offload_block
         prompt = state.request.num_prompt_tokens
         decoding = num_computed_tokens > prompt
         if self.offload_prompt_only:
             num_computed_tokens = min(num_computed_tokens, prompt)
-        for g, block, end_tokens in states:
+        for g, block, end_tokens in states or ():
             tokens = self._tokens[g]
             j = end_tokens // tokens - 1
             if (
@@ -132,35 +162,80 @@ class Stores(SchedulerBase):
                 key = self._blocks.request_keys(state.keys[g], hashes, g, j, j + 1)[0]
                 if all(c[2] != key for c in candidates):
                     candidates.append((g, j, key, [block]))
-        for g in self._offloaded:
-            if self.groups[g].is_state:
-                continue
-            tokens = self._tokens[g]
-            start = state.stored_blocks[g]
+        null = self.null_block_id
+        blocks = self._blocks
+        reuse = self._reuse.active
+        stored = state.stored_blocks
+        for g, tokens, volatile in self._block_groups:
+            start = stored[g]
             complete = num_computed_tokens // tokens
-            if decoding and self.groups[g].volatile_tail:
+            if decoding and volatile:
                 complete -= 1  # a draft layer's last block is rewritten until the next one is
-            end = min(complete, self._blocks.num_full(hashes, g), len(state.block_ids[g]) // f)
+            device = state.block_ids[g]
+            end = min(complete, blocks.num_full(hashes, g), len(device) // f)
             if end <= start:
                 continue
-            device = state.block_ids[g]
-            keys = self._blocks.request_keys(state.keys[g], hashes, g, start, end)
-            if self._reuse.active:
+            keys = blocks.request_keys(state.keys[g], hashes, g, start, end)
+            if reuse:
                 # blocks its match did not touch (it generated them) are asked for now, once
                 self._reuse.count(keys[max(0, state.touched_blocks[g] - start) :])
-            candidates += [
-                (g, j, key, device[j * f : (j + 1) * f])
-                for j, key in zip(range(start, end), keys)
-                if self.null_block_id not in device[j * f : (j + 1) * f]
-            ]
-            state.stored_blocks[g] = end
-        self._next_store(state)
+            stored[g] = end
+            lo, hi = state.loaded_range[g] if state.loaded_range else (0, 0)
+            for a, b in ((start, min(end, lo)), (max(start, hi), end)) if lo < hi else ((start, end),):
+                if a >= b:
+                    continue
+                if f == 1 and null not in device[a:b]:
+                    group_keys = keys[a - start : b - start]
+                    candidates += zip(repeat(g), range(a, b), group_keys, map(_one, device[a:b]))
+                    continue
+                candidates += [
+                    (g, j, key, device[j * f : (j + 1) * f])
+                    for j, key in zip(range(a, b), keys[a - start : b - start])
+                    if null not in device[j * f : (j + 1) * f]
+                ]
+        self._next_store(req_id, state)
         if len(self._offloaded) > 1:
             candidates.sort(key=lambda c: c[0])  # group-major, as the host spec lists host blocks
         if self._reuse.active:
             allowed = [c for c in candidates if self._reuse.allows(c[2])]
             self.stats.skipped_stores += len(candidates) - len(allowed)
             candidates = allowed
+        return req_id, state, hashes, candidates
+
+    def _store_jobs(self, offers: list[Offer]) -> list[TransferJob]:
+        """One job for the offers of several requests, reserved in one call; each on its
+        own (``_own_job``) where the tier cannot take them all."""
+        if len(offers) < 2:
+            return [job for job in map(self._own_job, offers) if job is not None]
+        candidates = [(c, offer) for offer in offers for c in offer[3]]
+        if len(self._offloaded) > 1:
+            candidates.sort(key=lambda pair: pair[0][0])  # stable: each request's order kept
+        out = self.manager.prepare_store([c[2] for c, _ in candidates])
+        if out is None:
+            return [job for job in map(self._own_job, offers) if job is not None]
+        chosen = set(out.keys_to_store)
+        parts: dict[str, list[OffloadKey]] = {}
+        picked: list[tuple[Candidate, Offer]] = []
+        for c, offer in candidates:
+            if c[2] in chosen:
+                chosen.discard(c[2])  # a key two requests offer is stored once (the first's)
+                picked.append((c, offer))
+                parts.setdefault(offer[0], []).append(c[2])
+        if not picked:
+            return []
+        keys, spec = self._device_side(picked)
+        if len(parts) == 1:
+            req_id = next(iter(parts))
+            return [TransferJob(self._new_job(req_id, True, keys), req_id, True, spec, out.store_spec)]
+        job = self._new_job("", True, keys)
+        self._jobs[job].parts = list(parts.items())
+        for req_id in parts:
+            self._requests[req_id].jobs.add(job)
+        return [TransferJob(job, "", True, spec, out.store_spec)]
+
+    def _own_job(self, offer: Offer) -> TransferJob | None:
+        """The store job of one request's offer (its blocks reserved as a prefix)."""
+        req_id, _, _, candidates = offer
         if not candidates:
             return None
         out, kept = self._reserve(candidates)
@@ -168,46 +243,45 @@ class Stores(SchedulerBase):
         self.stats.declined_stores += len(candidates) - len(kept)
         if out is None or not out.keys_to_store:
             return None
-        candidates = kept
         chosen = set(out.keys_to_store)
+        keys, spec = self._device_side([(c, offer) for c in kept if c[2] in chosen])
+        job = self._new_job(req_id, True, keys)
+        for g, _, key, ids in kept:
+            if self.groups[g].is_state and key in chosen:
+                for block in ids:
+                    self._fenced.setdefault(block, set()).add(job)
+        return TransferJob(job, req_id, True, spec, out.store_spec)
+
+    def _device_side(self, picked: list[tuple[Candidate, Offer]]):
+        """The keys and the device spec of the reserved candidates (group-major, in the
+        order of the tier's ``keys_to_store``); what each key's ``BlockStored`` says."""
+        f = self.blocks_per_offload_block
         device_ids: list[int] = []
         sizes = [0] * len(self.groups)
         indices = [0] * len(self.groups)
         keys: list[OffloadKey] = []
-        fenced: list[int] = []
-        for g, j, key, ids in candidates:
-            if key not in chosen:
-                continue
+        remember = self._remember
+        for (g, j, key, ids), (_, state, hashes, _) in picked:
             if sizes[g] == 0:
+                # (only its offset in an offloaded block counts: 0, stores being of whole ones)
                 indices[g] = j * f
             device_ids += ids
             sizes[g] += f
             keys.append(key)
-            if self.groups[g].is_state:
-                fenced += ids
-            self._remember(state, hashes, g, j, key)
-        job = self._new_job(req_id, True, keys)
-        for block in fenced:
-            self._fenced.setdefault(block, set()).add(job)
-        return TransferJob(job, req_id, True, _device_spec(device_ids, sizes, indices), out.store_spec)
+            remember(state, hashes, g, j, key)
+        return keys, device_spec(device_ids, sizes, indices)
 
-    def _next_store(self, state: RequestState) -> None:
-        """The computed tokens below which ``_plan_store`` of a request that only ran finds
+    def _next_store(self, req_id: str, state: RequestState) -> None:
+        """The computed tokens below which ``_offer`` of a request that only ran finds
         nothing new: the end of its next offloaded block in any group (never, with
         ``offload_prompt_only``, past the prompt). A lower bound: crossing it only means
         looking."""
         stored = state.stored_blocks
-        prompt = state.request.num_prompt_tokens
-        ends = []
-        for g in self._offloaded:
-            group = self.groups[g]
-            if group.is_state:  # states come with their step (StepRequest.states)
-                continue
-            end = (stored[g] + 1) * self._tokens[g]
-            if not (self.offload_prompt_only and end > prompt):
-                ends.append(end)
-        state.next_store = min(ends, default=_NEVER)
-        state.next_store_from = list(stored)
+        ends = [(stored[g] + 1) * tokens for g, tokens, _ in self._block_groups]
+        if self.offload_prompt_only:
+            prompt = state.request.num_prompt_tokens
+            ends = [end for end in ends if end <= prompt]
+        self._store_at[req_id] = min(ends, default=_NEVER)
 
     def _reserve(self, candidates: list[tuple[int, int, OffloadKey, Sequence[int]]]):
         """``prepare_store`` of the candidates, or of the leading part by token position

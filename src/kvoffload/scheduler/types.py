@@ -103,8 +103,33 @@ class StepRequest:
 
 
 @dataclass(frozen=True)
+class RunningRequests:
+    """The requests of a step that ran on (no states, no replaced block table), as
+    parallel lists: ``computed[i]`` counts the tokens whose KV ``req_ids[i]`` has once this
+    step has run; ``new_block_ids[i]`` (if given) is ``None`` or, per KV-cache group, the
+    device blocks appended to its table. The cheap form of their ``StepRequest``s for the
+    bulk of a decode step."""
+
+    req_ids: Sequence[str]
+    computed: Sequence[int]
+    new_block_ids: Sequence[Sequence[Sequence[int]] | None] | None = None
+
+    def __post_init__(self) -> None:
+        counts = {len(self.req_ids), len(self.computed)}
+        if self.new_block_ids is not None:
+            counts.add(len(self.new_block_ids))
+        if len(counts) > 1:
+            raise ValueError(
+                f"RunningRequests: {len(self.req_ids)} request ids, {len(self.computed)} computed counts"
+                + ("" if self.new_block_ids is None else f", {len(self.new_block_ids)} new block lists")
+            )
+
+
+@dataclass(frozen=True)
 class TransferJob:
-    """One copy for the worker: ``src_spec`` to ``dst_spec``, reported back by ``job_id``."""
+    """One copy for the worker: ``src_spec`` to ``dst_spec``, reported back by ``job_id``.
+    ``req_id`` is ``""`` for a copy between tiers and for a store of several requests'
+    blocks."""
 
     job_id: int
     req_id: str

@@ -10,6 +10,8 @@ an offloaded block; ``BlockStored`` carries those as ``extra_keys`` and ``lora_n
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import compress, repeat
+from operator import add
 from typing import Any
 
 import msgspec
@@ -26,7 +28,7 @@ from kvoffload.integrations.vllm.groups import kv_groups
 from kvoffload.integrations.vllm.identity import kv_identity
 from kvoffload.integrations.vllm.layout import host_block_bytes
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
-from kvoffload.scheduler import OffloadingScheduler, StepRequest
+from kvoffload.scheduler import OffloadingScheduler, RunningRequests, StepRequest
 from kvoffload.tiers.factory import build_manager
 
 # vLLM's block pool hands out block 0 as its null block, the placeholder for positions
@@ -151,24 +153,31 @@ class SchedulerSide:
         # block table (resumed_req_ids); 0.34 sends it among the new ones, whose block
         # tables always replace what was known
         resumed = getattr(cached, "resumed_req_ids", ())
-        scheduled = out.num_scheduled_tokens
-        # a request that only ran (most of a decode step) goes as (id, computed tokens)
-        running = []
-        for req_id, new_ids, computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            if new_ids is None and req_id not in resumed and req_id not in states:
-                running.append((req_id, computed + scheduled.get(req_id, 0)))
-                continue
-            steps.append(
+        ids = cached.req_ids
+        # every request that ran on (all of a decode step) goes in one RunningRequests,
+        # built in C loops: no Python per request
+        scheduled = map(out.num_scheduled_tokens.get, ids, repeat(0))
+        computed = list(map(add, cached.num_computed_tokens, scheduled))
+        if resumed or states:  # (rare) these go as StepRequests
+            ran = [req_id not in resumed and req_id not in states for req_id in ids]
+            steps += [
                 StepRequest(
                     req_id,
                     new_ids,
-                    computed + scheduled.get(req_id, 0),
+                    tokens,
                     req_id in resumed,
                     states.pop(req_id, ()),
                 )
+                for req_id, new_ids, tokens, r in zip(ids, cached.new_block_ids, computed, ran)
+                if not r
+            ]
+            running = RunningRequests(
+                list(compress(ids, ran)),
+                list(compress(computed, ran)),
+                list(compress(cached.new_block_ids, ran)),
             )
+        else:
+            running = RunningRequests(ids, computed, cached.new_block_ids)
         steps += [StepRequest(req_id, None, 0, states=handed) for req_id, handed in states.items()]
         plan = self.scheduler.build_step(steps, out.preempted_req_ids or (), running)
         if plan.loads or plan.stores or plan.transfers or plan.flush or plan.hold_blocks:
