@@ -55,7 +55,7 @@ class Completion(SchedulerBase):
                         if owner is not None:
                             owner.inserted.update(keys)
                 else:
-                    self.stats.failed_stores += len(parts)
+                    self.stats.failed_stores += 1  # store jobs, one for several requests' blocks
                     self._events.forget(job.keys)
             else:
                 self.manager.complete_load(

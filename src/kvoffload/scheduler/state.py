@@ -26,7 +26,7 @@ class SchedulerStats(Counters):
     blocks_stored: int = 0
     failed_loads: int = 0
     failed_load_tokens: int = 0  # tokens of failed loads: the engine recomputes them
-    failed_stores: int = 0
+    failed_stores: int = 0  # store jobs (one job may hold several requests' blocks)
     failed_tier_transfers: int = 0  # write-through or promotion copies between tiers
     skipped_stores: int = 0  # blocks held back by the reuse filter (store_threshold)
     declined_stores: int = 0  # blocks the tier had no room for (all of its slots in use)
