@@ -14,12 +14,17 @@ its index: no probe round trip).
 
 Two paths for (b), alternating within each round on the same engine (each with its own
 prompt): ``chained`` (the default: the load is planned in the step that plans the
-promotion, and the worker starts it when the promotion finished) and ``two-step`` (the
-scheduler's ``chain_promotions`` off: the promotion's outcome comes back first, the load
-is planned in a later step). Printed per tier and path: median TTFT, its ratio to the
-same run's recompute, the ratio chained / two-step, the best round and its ratio, and
-the engine steps the hit took (median; a step is one ``build_connector_meta``); then
-every round's TTFT and steps, in the order run.
+promotion, and the worker starts it as the promotion's blocks arrive) and ``two-step``
+(the scheduler's ``chain_promotions`` off: the promotion's outcome comes back first, the
+load is planned in a later step). After each hit, the floors, same prompt: ``device
+cache`` (straight again: all of it in vLLM's own prefix cache, nothing loaded) and ``CPU
+tier`` (that cache reset: loaded from the CPU tier, nothing promoted). Printed per tier
+and path: median TTFT, its ratio to the same run's recompute, the ratio chained /
+two-step, the best round and its ratio, and the engine steps the hit took (median; a
+step is one ``build_connector_meta``); then every round's TTFT and steps, in the order
+run; then the timeline (``_ttft_timeline``): per tier and path (floors too) the median
+over rounds of when each phase happened, ms from the request's arrival, and the median
+round's every event.
 
     .venv/bin/python bench/bench_tier_ttft.py [--rounds N] [--tokens N] [--model-dir DIR]
         [--paths chained,two-step]
@@ -47,11 +52,15 @@ def start_redis(folder: str) -> tuple[subprocess.Popen, int]:
 
 
 PATHS = ("chained", "two-step")
+FLOORS = ("device cache", "CPU tier")  # the same prompt with nothing to promote / nothing to load
 
 
-def run_tier(model: str, tier: dict, rounds: int, tokens: int, paths: list[str]) -> dict[str, list[float]]:
+def run_tier(
+    model: str, tier: dict, rounds: int, tokens: int, paths: list[str]
+) -> tuple[dict[str, list[float]], dict[str, list[list]]]:
     from vllm import SamplingParams
 
+    from _ttft_timeline import Timeline
     from kvoffload.demo.offline import (
         close_llm,
         kv_block_bytes,
@@ -64,9 +73,12 @@ def run_tier(model: str, tier: dict, rounds: int, tokens: int, paths: list[str])
     block = kv_block_bytes(model)
     llm = make_llm(model, kvoffload={"cpu_bytes_to_use": 140 * block, "secondary_tiers": [tier]})
     params = SamplingParams(temperature=0, max_tokens=1)
-    times: dict[str, list[float]] = {"recompute": []}
+    times: dict[str, list[float]] = {"recompute": [], FLOORS[0]: [], FLOORS[1]: []}
     for path in paths:
         times |= {path: [], f"{path} cached": [], f"{path} steps": []}
+    traces: dict[str, list[list]] = {name: [] for name in (*paths, *FLOORS)}
+    timeline = Timeline()
+    timeline.attach(llm)
     side = scheduler_connector(llm)._scheduler
     steps = [0]
     build = side.build_connector_meta
@@ -77,8 +89,12 @@ def run_tier(model: str, tier: dict, rounds: int, tokens: int, paths: list[str])
 
     side.build_connector_meta = counted
 
-    def ttft(text: str) -> tuple[float, int]:
+    def ttft(text: str, trace: str | None = None) -> tuple[float, int]:
+        if trace is not None:
+            timeline.begin()
         out = llm.generate([text], params, use_tqdm=False)[0]
+        if trace is not None:
+            traces[trace].append(timeline.end())
         return out.metrics.first_token_latency, out.num_cached_tokens
 
     try:
@@ -106,16 +122,29 @@ def run_tier(model: str, tier: dict, rounds: int, tokens: int, paths: list[str])
                     raise RuntimeError("the engine's prefix cache could not be reset")
                 side.scheduler.chain_promotions = path == "chained"
                 steps[0] = 0
-                seconds, hit = ttft(text)
+                seconds, hit = ttft(text, path)
                 if hit == 0:
                     raise RuntimeError(f"round {r}: nothing came from the {tier['type']} tier")
                 times[path].append(seconds)
                 times[f"{path} cached"].append(hit)
                 times[f"{path} steps"].append(steps[0])
                 side.scheduler.chain_promotions = True
+                # The floors, same prompt: in the engine's own prefix cache (nothing
+                # loaded), then, that cache reset, in the CPU tier (no promotion).
+                times[FLOORS[0]].append(ttft(text, FLOORS[0])[0])
+                for _ in range(2):
+                    settle(llm)
+                if not llm.reset_prefix_cache():
+                    raise RuntimeError("the engine's prefix cache could not be reset")
+                seconds, hit = ttft(text, FLOORS[1])
+                if hit == 0:
+                    raise RuntimeError(f"round {r}: nothing came from the CPU tier")
+                times[FLOORS[1]].append(seconds)
+                for _ in range(2):
+                    settle(llm)
     finally:
         close_llm(llm)
-    return times
+    return times, traces
 
 
 def main() -> int:
@@ -135,13 +164,17 @@ def main() -> int:
     model = str(build_tiny_llama(args.model_dir))
     folder = tempfile.mkdtemp(prefix="kvo-bench-tier-ttft-")
     proc, port = start_redis(folder)
-    results = {}
+    results, traces = {}, {}
     try:
         block = kv_block_bytes(model)
         fs = {"type": "fs", "root_dir": os.path.join(folder, "disk"), "bytes_to_use": 400 * (block + 4096)}
-        results["fs (local disk)"] = run_tier(model, fs, args.rounds, args.tokens, paths)
+        results["fs (local disk)"], traces["fs (local disk)"] = run_tier(
+            model, fs, args.rounds, args.tokens, paths
+        )
         redis = {"type": "redis", "url": f"redis://127.0.0.1:{port}/0"}
-        results["redis (shared)"] = run_tier(model, redis, args.rounds, args.tokens, paths)
+        results["redis (shared)"], traces["redis (shared)"] = run_tier(
+            model, redis, args.rounds, args.tokens, paths
+        )
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait()
@@ -169,7 +202,57 @@ def main() -> int:
         for path in paths:
             each = " ".join(f"{t * 1e3:.1f}" for t in times[path])
             print(f"{name}, {path}: {each} ms; steps {' '.join(str(n) for n in times[f'{path} steps'])}")
+        for floor in FLOORS:
+            print(f"{name}, {floor}: {' '.join(f'{t * 1e3:.1f}' for t in times[floor])} ms")
+    print_timelines(results, traces, paths)
     return 0
+
+
+def print_timelines(results: dict, traces: dict, paths: list[str]) -> None:
+    """Per tier and path (and the floors): the median, over rounds, of when each phase
+    happened (ms from the request's arrival), then the median round's whole timeline."""
+    from _ttft_timeline import phases, timeline_text
+
+    print()
+    print("Timeline, ms from the request's arrival (median over rounds of each mark; '-': not on this path):")
+    print()
+    columns = [
+        "first match", "first match end", "first start_load_kv", "promotion submitted", "promotion started",
+        "promotion finished", "load submitted", "load copy", "load finished",
+        "last start_load_kv end", "last execute end", "outputs", "steps", "load copies",
+    ]  # fmt: skip
+    print("| tier | path | TTFT | " + " | ".join(columns) + " |")
+    print("|---|---|---:|" + "---:|" * len(columns))
+    for name, times in results.items():
+        for path in (*paths, *FLOORS):
+            marks = [phases(events) for events in traces[name][path]]
+            cells = []
+            for column in columns:
+                values = [m[column] for m in marks if column in m]
+                cells.append(
+                    f"{statistics.median(values):.2f}" if len(values) == len(marks) and values else "-"
+                )
+            ttft = statistics.median(times[path]) * 1e3
+            print(f"| {name} | {path} | {ttft:.2f} | " + " | ".join(cells) + " |")
+    print()
+    print("KV in place, ms (arrival to the end of the last start_load_kv, median): the connector's share")
+    for name in results:
+        ready = {}
+        for path in (*paths, *FLOORS):
+            marks = [phases(events).get("last start_load_kv end") for events in traces[name][path]]
+            ready[path] = statistics.median(m for m in marks if m is not None) if any(marks) else None
+        cells = [f"{path} {ms:.2f} ms" for path, ms in ready.items() if ms is not None]
+        line = f"{name}: " + ", ".join(cells)
+        if ready.get("chained") and ready.get("two-step"):
+            line += f"; chained / two-step {ready['chained'] / ready['two-step']:.2f}"
+        print(line)
+    print()
+    for name, times in results.items():
+        for path in (*paths, *FLOORS):
+            order = sorted(range(len(times[path])), key=times[path].__getitem__)
+            middle = order[len(order) // 2]
+            print(f"{name}, {path}, median round ({times[path][middle] * 1e3:.1f} ms):")
+            print("  " + timeline_text(traces[name][path][middle]))
 
 
 if __name__ == "__main__":

@@ -25,12 +25,14 @@ the class). Torch-free.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvoffload.held_loads import HeldLoad
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_DEVICE, LoadStoreSpec
 
 Route = tuple[str, str]  # (source medium, destination medium)
@@ -50,9 +52,16 @@ class TransferResult:
 
 
 class OffloadingWorker(ABC):
-    """Moves the bytes of the jobs whose medium pair is in ``routes``."""
+    """Moves the bytes of the jobs whose medium pair is in ``routes``.
+
+    Progress (optional): a worker with ``reports_progress`` calls ``on_progress(job_id,
+    host_blocks)``, when set, from any of its threads, for each part of a job into host
+    memory whose bytes are all written and checked, and ``on_progress(job_id, None)`` once
+    the job's result can be polled. Quick and non-blocking: it only records the news."""
 
     routes: frozenset[Route] = frozenset()
+    reports_progress = False
+    on_progress = None
 
     @abstractmethod
     def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -133,17 +142,6 @@ class JobBook:
         return first
 
 
-@dataclass
-class _Held:
-    """A job waiting for the promotions (``writers``) that fill the host blocks it reads."""
-
-    worker: OffloadingWorker
-    src_spec: LoadStoreSpec
-    dst_spec: LoadStoreSpec
-    writers: set[int]
-    error: str | None = None  # a writer failed: the job fails without running
-
-
 class WorkerRouter(OffloadingWorker):
     """Routes jobs to ``workers`` by ``(src_spec.medium, dst_spec.medium)``.
 
@@ -153,14 +151,19 @@ class WorkerRouter(OffloadingWorker):
     Reads after writes: a *promotion* (a job into host memory from a lower tier: source
     neither ``CPU`` nor the device) writes its destination host blocks. A job submitted
     while a promotion is in flight that reads one of those blocks (the scheduler planned a
-    load on blocks still being promoted) is *held*, not queued: it starts once every
-    promotion it reads from has finished, and if one of them failed it does not run and
-    fails (``success=False``, ``error`` naming the promotion). So no job ever reads a host
-    block before its bytes arrived. A held job is started on the thread that calls
-    ``poll`` or ``wait`` (the engine's: on CUDA a load is ordered after the work queued on
-    the caller's stream), as soon as one of them sees its last promotion finish; ``wait``
-    for a held job waits for its promotions, starts it, then waits for it. Its worker
-    checks its specs when it starts: a refusal then is a failed result, not an exception.
+    load on blocks still being promoted) is *held* (``kvoffload.held_loads``), not queued
+    whole: no part of it reads a host block before its bytes arrived. A load to the device
+    with one host block per device block starts in pieces: at once for the blocks already
+    in host memory, then for each part a promotion whose worker ``reports_progress`` says
+    written, and the rest when the promotion finished; any other held job starts whole
+    when its last promotion finished. If a promotion it reads from failed, no further part
+    of it starts and it fails (``success=False``, ``error`` naming the promotion) once no
+    part of it still runs. Its one result comes when every part finished. Parts are
+    started on the thread that calls ``submit``, ``poll`` or ``wait`` (the engine's: on
+    CUDA a load is ordered after the work queued on the caller's stream); ``wait`` for a
+    held job waits for news of its promotions, starts what arrived, then waits for its
+    parts. Its worker checks its specs when it starts: a refusal then is a failed result,
+    not an exception.
     """
 
     def __init__(self, workers: Sequence[OffloadingWorker]) -> None:
@@ -179,9 +182,21 @@ class WorkerRouter(OffloadingWorker):
         self._closed = False
         self._writer_of: dict[int, int] = {}  # host block -> promotion in flight writing it
         self._writes: dict[int, list[int]] = {}  # promotion in flight -> its host blocks
-        self._held: dict[int, _Held] = {}  # job id -> job waiting for promotions
+        self._held: dict[int, HeldLoad] = {}  # job id -> job waiting for promotions or its pieces
         self._readers: dict[int, list[int]] = {}  # promotion -> held jobs reading its blocks
-        self._results: list[TransferResult] = []  # gathered by wait, or held jobs failed
+        self._results: list[TransferResult] = []  # gathered by wait, or held jobs finished
+        self._piece_of: dict[int, int] = {}  # piece of a held job in flight -> the job's id
+        self._piece_ids = itertools.count(-1, -1)  # below every job id the scheduler hands out
+        self._news: list[tuple[int, list[int] | None]] = []  # (promotion, blocks written | None: ended)
+        self._news_ready = threading.Condition()
+        for worker in self.workers:
+            if worker.reports_progress:
+                worker.on_progress = self._progress
+
+    def _progress(self, job_id: int, blocks: list[int] | None) -> None:  # any thread
+        with self._news_ready:  # applied by the next submit, poll or wait
+            self._news.append((job_id, blocks))
+            self._news_ready.notify_all()
 
     def worker_for(self, route: Route) -> OffloadingWorker:
         """The worker serving ``route``; ``TypeError`` naming it when none does."""
@@ -199,11 +214,16 @@ class WorkerRouter(OffloadingWorker):
             raise ValueError(f"job id {job_id} is already in flight")
         if self._writer_of and src_spec.medium == MEDIUM_CPU:
             writer_of = self._writer_of
-            writers = {writer_of[b] for b in map(int, src_spec.block_ids) if b in writer_of}
-            if writers:
-                self._held[job_id] = _Held(worker, src_spec, dst_spec, writers)
-                for writer in writers:
+            waiting = {b: writer_of[b] for b in map(int, src_spec.block_ids) if b in writer_of}
+            if waiting:
+                held = self._held[job_id] = HeldLoad(worker, src_spec, dst_spec, waiting)
+                for writer in held.writers:
                     self._readers.setdefault(writer, []).append(job_id)
+                # promotions that ended since the last poll count now (a failed one fails it)
+                self._apply_news()
+                self._gather({id(w): w for w in map(self._owner.get, held.writers) if w}.values())
+                held.submitted = True
+                self._advance(job_id, held)  # the blocks already in host memory
                 return True
         queued = worker.submit(job_id, src_spec, dst_spec)
         if queued:
@@ -215,18 +235,48 @@ class WorkerRouter(OffloadingWorker):
         return queued
 
     def poll(self) -> list[TransferResult]:
+        self._apply_news()
         self._gather(self.workers)
         results, self._results = self._results, []
         return results
 
     def _gather(self, workers: Iterable[OffloadingWorker]) -> None:
-        """Poll ``workers`` into ``_results``; a finished promotion releases its readers."""
+        """Poll ``workers`` into ``_results``; a finished promotion releases its readers,
+        a finished piece counts towards its job."""
         for worker in workers:
             for result in worker.poll():
                 self._owner.pop(result.job_id, None)
+                job_id = self._piece_of.pop(result.job_id, None)
+                if job_id is not None:
+                    held = self._held[job_id]
+                    held.piece_done(result)
+                    self._advance(job_id, held)
+                    continue
                 self._results.append(result)
                 if result.job_id in self._writes:
                     self._written(result)
+
+    def _apply_news(self) -> None:
+        """Blocks that promotions reported written start the pieces that read them; a
+        promotion that ended is gathered from its worker."""
+        if not self._news:
+            return
+        with self._news_ready:
+            news, self._news = self._news, []
+        ended = {}
+        for writer, blocks in news:
+            if writer not in self._writes:
+                continue  # not a promotion, or one already gathered
+            if blocks is None:
+                worker = self._owner.get(writer)
+                if worker is not None:
+                    ended[id(worker)] = worker
+                continue
+            for job_id in list(self._readers.get(writer, ())):
+                held = self._held[job_id]
+                held.written(writer, blocks)
+                self._advance(job_id, held)
+        self._gather(ended.values())
 
     def _written(self, result: TransferResult) -> None:
         writer = result.job_id
@@ -235,14 +285,37 @@ class WorkerRouter(OffloadingWorker):
                 del self._writer_of[block]
         for job_id in self._readers.pop(writer, ()):
             held = self._held[job_id]
-            held.writers.discard(writer)
-            if not result.success and held.error is None:
-                held.error = f"promotion {writer} of its source blocks failed: {result.error}"
-            if not held.writers:
-                del self._held[job_id]
-                self._start(job_id, held)
+            held.writer_done(writer, result.success, result.error)
+            self._advance(job_id, held)
 
-    def _start(self, job_id: int, held: _Held) -> None:
+    def _advance(self, job_id: int, held: HeldLoad) -> None:
+        """Start what of held job ``job_id`` can start; post its result once it ended."""
+        if not held.submitted:  # its submit is still catching up with its promotions
+            return
+        if held.whole_ready() and not held.writers:
+            del self._held[job_id]
+            self._start(job_id, held)
+            return
+        for src_spec, dst_spec in held.ready_pieces():
+            piece = next(self._piece_ids)
+            try:
+                queued = held.worker.submit(piece, src_spec, dst_spec)
+            except Exception as exc:  # noqa: BLE001 - accepted already: it must yield a result
+                queued, held.error = False, held.error or f"{type(exc).__name__}: {exc}"
+            if not queued:
+                held.fail("its worker did not queue a part of it")
+                continue
+            held.pieces.add(piece)
+            self._piece_of[piece] = job_id
+            self._owner[piece] = held.worker
+        if held.finished():
+            del self._held[job_id]
+            for writer in held.writers:  # a failed load stops waiting for its other promotions
+                if job_id in self._readers.get(writer, ()):
+                    self._readers[writer].remove(job_id)
+            self._results.append(TransferResult(job_id, *held.result_fields()))
+
+    def _start(self, job_id: int, held: HeldLoad) -> None:
         error = held.error
         if error is None:
             try:
@@ -259,20 +332,42 @@ class WorkerRouter(OffloadingWorker):
         job_ids = list(job_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._apply_news()
             held = [job_id for job_id in job_ids if job_id in self._held]
             if not held:
                 break
             writers = {writer for job_id in held for writer in self._held[job_id].writers}
+            if not writers:  # all of them started: wait for their pieces
+                pieces = {piece for job_id in held for piece in self._held[job_id].pieces}
+                if not pieces:
+                    break
+                self._wait_owned(pieces, deadline)
+                self._gather(
+                    {id(self._owner[p]): self._owner[p] for p in pieces if p in self._owner}.values()
+                )
+                continue
+            plain = {w for w in writers if w in self._owner and not self._owner[w].reports_progress}
             try:
-                self._wait_owned(writers, deadline)
+                if plain:
+                    self._wait_owned(plain, deadline)
+                else:
+                    self._wait_news(deadline)
             except TimeoutError:
                 raise TimeoutError(
                     f"jobs {sorted(held)} still wait for promotions {sorted(writers)}"
                 ) from None
-            self._gather({id(self._owner[w]): self._owner[w] for w in writers if w in self._owner}.values())
-            for writer in writers & self._writes.keys():  # its worker said finished, gave no result
+            self._gather({id(self._owner[w]): self._owner[w] for w in plain if w in self._owner}.values())
+            for writer in plain & self._writes.keys():  # its worker said finished, gave no result
                 self._written(TransferResult(writer, False, 0, 0.0, "", "finished without a result"))
         self._wait_owned(job_ids, deadline)
+
+    def _wait_news(self, deadline: float | None) -> None:  # TimeoutError past the deadline
+        with self._news_ready:
+            while not self._news:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError
+                self._news_ready.wait(left)
 
     def _wait_owned(self, job_ids: Iterable[int], deadline: float | None) -> None:
         by_worker: dict[int, list[int]] = {}
@@ -291,8 +386,14 @@ class WorkerRouter(OffloadingWorker):
         self._closed = True
         for worker in self.workers:
             worker.close()
-        for job_id, held in self._held.items():  # their workers are closed: they cannot start
-            held.error = held.error or "the router closed before the promotions it reads from finished"
-            self._start(job_id, held)
-        self._held.clear()
+        closed = "the router closed before the promotions it reads from finished"
+        for held in [h for h in self._held.values() if h.writers]:  # their promotions cannot end now
+            held.fail(closed)
+        self._apply_news()
+        self._gather(self.workers)  # the promotions and pieces that ended
+        for job_id, held in list(self._held.items()):  # nothing of them runs any more
+            held.fail(closed)
+            held.writers.clear()
+            held.pieces.clear()
+            self._advance(job_id, held)
         self._readers.clear()

@@ -2,7 +2,8 @@
 (an ``OffloadingWorker`` from ``kvoffload.tiers.factory``).
 
 Per step (vLLM's call order): ``handle_preemptions`` waits for the jobs of preempted
-requests; ``start_load_kv`` submits loads (before the forward pass); ``wait_for_save``
+requests and submits the step's promotions (before vLLM prepares the step's inputs);
+``start_load_kv`` submits loads (before the forward pass); ``wait_for_save``
 submits stores (after it, when the blocks hold this step's KV), and with ``sync_stores``
 (by default when the KV cache is in host memory) waits for them; ``get_finished`` polls
 results and reports requests whose loads finished (``finished_recving``) and held
@@ -60,6 +61,7 @@ class WorkerSide:
         self._per_request = kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
         self._rejected_loads: set[str] = set()  # requests whose load failed at submit
         self._sync_jobs: set[int] = set()  # loads whose request runs in their step
+        self._early: set[int] = set()  # promotions handle_preemptions submitted for this step
         self.metrics = WorkerMetrics()  # every job's outcome, for kvoffload.metrics and vLLM's stats
         # "auto" is decided by the KV cache's device in register_kv_caches
         self.sync_stores = config is not None and config.sync_stores is True
@@ -93,9 +95,17 @@ class WorkerSide:
         self.metrics.attach(self.worker, [tier.type_name for tier in tiers.secondary_tiers])
 
     def handle_preemptions(self, plan: StepPlan) -> None:
+        """Wait for the jobs of preempted requests, then start the step's promotions: vLLM's
+        model runner calls this first in a step and ``start_load_kv`` only once it prepared
+        the step's inputs, so the lower tier's read overlaps that preparation. A promotion
+        writes only host blocks the scheduler reserved for it (no device block)."""
         jobs = [job for ids in plan.flush.values() for job in ids]
         if jobs and self.worker is not None:
             self.worker.wait(jobs)
+        if self.worker is not None:
+            promotions = [job for job in plan.transfers if job.dst_spec.medium == MEDIUM_CPU]
+            self._submit(promotions)
+            self._early.update(job.job_id for job in promotions)
 
     def start_loads(self, plan: StepPlan, sync_loads: frozenset[int] = frozenset()) -> None:
         """Submit the step's promotions, loads and other transfers, in that order: a load
@@ -109,7 +119,8 @@ class WorkerSide:
             self._held[req_id] = set(jobs)
         self._sync_jobs.update(sync_loads)
         promotions = [job for job in plan.transfers if job.dst_spec.medium == MEDIUM_CPU]
-        self._submit(promotions)
+        early, self._early = self._early, set()
+        self._submit([job for job in promotions if job.job_id not in early])  # not in handle_preemptions
         self._submit(plan.loads)
         if sync_loads:
             waiting = [job for job in sync_loads if job in self._jobs]

@@ -20,6 +20,7 @@ between them and caller-owned buffers (the host pool's rows), without a copy:
   mismatch raises ``CorruptBlock`` naming the key and the reason; the caller must then
   treat ``buffers`` as garbage. ``read_run``: the same for consecutive slots, one record
   read and one ``preadv`` (per ``IOV_MAX``).
+* ``consecutive_runs(slots, limit)``: a job's slots cut into the runs those calls take.
 * ``invalidate(slot)``: zero the record (the block is gone; its bytes are overwritten
   when the slot is reused).
 
@@ -176,3 +177,17 @@ class BlockFiles:
             if fd >= 0:
                 os.close(fd)
         self.data_fd = self.header_fd = -1
+
+
+def consecutive_runs(slots: list[int], limit: int) -> list[range]:
+    """Indices into ``slots`` cut where the slots stop being consecutive, and every
+    ``limit`` blocks: the runs a worker moves with one ``write_run``/``read_run`` each."""
+    runs = []
+    start = 0
+    for i in range(1, len(slots)):
+        if slots[i] != slots[i - 1] + 1 or i - start == limit:
+            runs.append(range(start, i))
+            start = i
+    if len(slots) > start:
+        runs.append(range(start, len(slots)))
+    return runs

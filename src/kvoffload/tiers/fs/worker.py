@@ -39,6 +39,8 @@ Contract, beyond ``kvoffload.worker``:
   while running. ``ENOSPC``/``EDQUOT``, ``EIO`` and ``EROFS`` fail the job and are counted;
   nothing raises out of ``submit`` or ``poll`` for them, and later jobs are tried as usual
   (the worker recovers when the file system does).
+* Progress (``reports_progress``): each run of a load whose blocks were all read and
+  checked is reported with its host blocks, and the job once its result can be polled.
 * ``counters()`` snapshots ``FSWorkerCounters``. ``close()`` lets queued jobs finish, then
   closes the files; idempotent.
 """
@@ -58,7 +60,7 @@ import numpy as np
 
 from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, CPULoadStoreSpec, DiskLoadStoreSpec, LoadStoreSpec
-from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock
+from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock, consecutive_runs
 from kvoffload.tiers.fs.direct import DIRECT_ALIGN
 from kvoffload.tiers.fs.floor import FloorDeclined, check_floor, check_floor_settings, floor_bytes
 from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
@@ -129,6 +131,7 @@ class FSWorker(OffloadingWorker):
     """Moves blocks between ``host_pool`` and ``<root_dir>/<namespace>``."""
 
     routes = frozenset(_DIRECTIONS)
+    reports_progress = True
 
     def __init__(
         self,
@@ -271,7 +274,7 @@ class FSWorker(OffloadingWorker):
             self._check_floor(job)
         elif job.slots[-1] - job.slots[0] < 4 * count:  # dense enough to read every record
             self.files.prefetch_records(job.slots[0], job.slots[-1])
-        return _runs(job.slots, self._run_blocks)
+        return consecutive_runs(job.slots, self._run_blocks)
 
     def _move(self, direction: str) -> None:
         """One of the direction's threads: moves runs until the dispatcher says stop."""
@@ -282,6 +285,8 @@ class FSWorker(OffloadingWorker):
             if job.error is None:  # after a failure the job's other runs are skipped
                 try:
                     move(job, run)
+                    if not job.store and self.on_progress is not None:  # read and checked
+                        self.on_progress(job.job_id, job.host_ids[run.start : run.stop])
                 except Exception as exc:  # noqa: BLE001 - the job fails, the worker goes on
                     message = self._message(exc)
                     with self._lock:
@@ -317,6 +322,8 @@ class FSWorker(OffloadingWorker):
                 counters.bytes_read += nbytes
             seconds = time.perf_counter() - job.start if ok else 0.0
             self._jobs.finish(TransferResult(job.job_id, ok, nbytes, seconds, direction, job.error))
+            if not job.store and self.on_progress is not None:
+                self.on_progress(job.job_id, None)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -383,17 +390,3 @@ class FSWorker(OffloadingWorker):
         for thread in self._dispatchers + self._movers:
             thread.join()
         self.files.close()
-
-
-def _runs(slots: list[int], limit: int) -> list[range]:
-    """Indices into ``slots`` cut where the slots stop being consecutive, and every
-    ``limit`` blocks."""
-    runs = []
-    start = 0
-    for i in range(1, len(slots)):
-        if slots[i] != slots[i - 1] + 1 or i - start == limit:
-            runs.append(range(start, i))
-            start = i
-    if len(slots) > start:
-        runs.append(range(start, len(slots)))
-    return runs
