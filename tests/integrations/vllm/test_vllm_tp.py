@@ -18,7 +18,7 @@ from redis_server import RedisServer, require_redis_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 DRIVER = ROOT / "tests" / "vllm_tp_driver.py"
-PHASES = ["baseline", "reload", "partial"]
+PHASES = ["reload", "partial"]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(600)]
 
