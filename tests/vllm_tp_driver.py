@@ -9,8 +9,9 @@ other and prints ``OK <phase>`` after each phase whose checks passed:
   each prompt's first output, computed with nothing to load, is the one every later run
   must match (an engine without kvoffload gives the same outputs: the single-process
   engine tests check that, and a third TP engine start cost this test 40 s); after a
-  prefix-cache reset the first prompt's 992 tokens are reloaded; blocks are announced once (not once per rank); the worker-side byte counters
-  are the sum of both ranks' shares;
+  prefix-cache reset the first prompt's 992 tokens are reloaded; blocks are announced
+  once (not once per rank); the worker-side byte counters are the sum of both ranks'
+  shares;
 * ``partial``: rank 1 loses its share of the second prompt on disk (its header records
   cut off) and of that prompt's last 10 blocks on Redis (its keys deleted); a fresh
   engine's disk tier holds the first prompt's blocks only, the first prompt is served from
