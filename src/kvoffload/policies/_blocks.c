@@ -28,6 +28,8 @@
  *   absent(table, keys) -> keys                        not in table, each once, in order.
  *   release(table, keys, free)                         pop keys, their slots appended to free.
  *   s3fifo_insert, s3fifo_evict, bump: S3-FIFO's (_blocks_s3fifo.c; kvoffload.policies.s3fifo).
+ *   turn_touch, turn_insert, turn_raise, turn_evict: the turn-aware LRU's (_blocks_turnlru.c;
+ *   kvoffload.policies.turnlru has their Python versions).
  *
  * Why C: a few Python operations per key on every step of a request (about half a replay's
  * time went to making, reading and writing status objects and OrderedDict moves).
@@ -269,6 +271,10 @@ static PyMethodDef module_methods[] = {
     {"s3fifo_insert", s3fifo_insert, METH_VARARGS, NULL},
     {"s3fifo_evict", s3fifo_evict, METH_VARARGS, NULL},
     {"bump", bump, METH_VARARGS, NULL},
+    {"turn_touch", turn_touch, METH_VARARGS, NULL},
+    {"turn_insert", turn_insert, METH_VARARGS, NULL},
+    {"turn_raise", turn_raise, METH_VARARGS, NULL},
+    {"turn_evict", turn_evict, METH_VARARGS, NULL},
     {NULL},
 };
 

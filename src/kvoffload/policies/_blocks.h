@@ -1,6 +1,6 @@
 /* Shared by _blocks.c (the Order type, the module), _blocks_status.c (BlockStatus) and
  * _blocks_table.c (the manager's batch paths), _blocks_moves.c (moves between orders),
- * _blocks_s3fifo.c (S3-FIFO). */
+ * _blocks_s3fifo.c (S3-FIFO), _blocks_turnlru.c (the turn-aware LRU). */
 #ifndef KVOFFLOAD_BLOCKS_H
 #define KVOFFLOAD_BLOCKS_H
 #include <Python.h>
@@ -58,6 +58,12 @@ PyObject *Order_arc_evict(Order *t1, PyObject *args);
 PyObject *s3fifo_insert(PyObject *module, PyObject *args);
 PyObject *s3fifo_evict(PyObject *module, PyObject *args);
 PyObject *bump(PyObject *module, PyObject *args);
+
+/* The turn-aware LRU's paths (in _blocks_turnlru.c), module functions. */
+PyObject *turn_touch(PyObject *module, PyObject *args);
+PyObject *turn_insert(PyObject *module, PyObject *args);
+PyObject *turn_raise(PyObject *module, PyObject *args);
+PyObject *turn_evict(PyObject *module, PyObject *args);
 
 PyObject *lookup_prefix(PyObject *module, PyObject *args);
 PyObject *pin(PyObject *module, PyObject *args);

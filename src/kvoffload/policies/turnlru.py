@@ -49,16 +49,23 @@ final queue only if the request ended with it: it inserted it and its touch name
 (a request that went on to generate whole blocks had no partial final block). Without
 the hooks (a trace replay) time counts touches and a stored key that its touch named last
 is final at once.
+
+The queues and the ghost list are ``kvoffload.policies.blocks.Order`` lists (a ghost keeps
+its old status, never read) and ``touch``, ``insert_many`` and ``evict`` are one call each
+into them: C loops where ``kvoffload.policies._blocks`` was built, the Python functions
+here otherwise.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Sequence, Set
+from collections import deque
+from collections.abc import Collection, Iterable, Sequence, Set
+from itertools import islice, takewhile
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import RequestContext
 from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.policies.blocks import NATIVE, Order
 from kvoffload.validation import positive_int
 
 
@@ -77,18 +84,18 @@ class TurnLRUPolicy(CachePolicy):
         self.levels = levels
         self.gap_weight = gap_weight
         self.ghost_limit = int(ghost_factor * capacity)
-        # One recency queue per level (key -> (status, time of last use)), then the queue
-        # of final blocks, evicted first.
-        self._queues: list[OrderedDict[OffloadKey, tuple[BlockStatus, int]]] = [
-            OrderedDict() for _ in range(levels + 1)
-        ]
-        self._level: dict[OffloadKey, int] = {}  # resident key -> its queue index
-        self._birth: dict[OffloadKey, int] = {}  # resident key -> level it was stored at
-        self._ghost: OrderedDict[OffloadKey, tuple[int, int]] = OrderedDict()  # level, time
+        # One recency order per level, then the order of final blocks, evicted first.
+        self._queues: tuple[Order, ...] = tuple(Order() for _ in range(levels + 1))
+        self._resident = [queue.table for queue in self._queues]  # key -> BlockStatus, for readers
+        self._ghost = Order()  # recently evicted keys, least recent first
+        # resident and ghost key -> level it was stored at / time of its last use
+        self._birth: dict[OffloadKey, int] = {}
+        self._time: dict[OffloadKey, int] = {}
         self._clock = 0
         self._gap: float | None = None
         # absent key -> (level of the request whose touch named it, named last by it)
-        self._reserved: OrderedDict[OffloadKey, tuple[int, bool]] = OrderedDict()
+        # (a dict: a key reserved again goes to the end, as it is popped first)
+        self._reserved: dict[OffloadKey, tuple[int, bool]] = {}
         self._reserve_limit = max(capacity, 1024)
         # announced requests: id -> [level, keys its touches named last]
         self._running: dict[str, tuple[list[int], set[OffloadKey]]] = {}
@@ -99,78 +106,58 @@ class TurnLRUPolicy(CachePolicy):
         """The measured gap between turns, in requests (``None`` before the first return)."""
         return self._gap
 
+    @property
+    def _level(self) -> dict[OffloadKey, int]:
+        """Resident key -> the index of its queue (a copy, for readers)."""
+        return {key: i for i, queue in enumerate(self._queues) for key in queue.table}
+
+    def _queue_of(self, key: OffloadKey) -> int | None:
+        for i, queue in enumerate(self._queues):
+            if key in queue.table:
+                return i
+        return None
+
     # -- bookkeeping ---------------------------------------------------------------
 
     def insert(self, key: OffloadKey, status: BlockStatus) -> None:
         self.insert_many([key], [status])
 
     def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
-        queues, levels, ghost, clock = self._queues, self._level, self._ghost, self._clock
-        births, reserved = self._birth, self._reserved
         finals = self.levels if not self._running else -1  # with the hooks: at the finish
-        for key, status in zip(keys, statuses):
-            old = levels.get(key)
-            if old is not None:
-                del queues[old][key]
-            level, last = reserved.pop(key, (0, False))
-            births[key] = level
-            if last and finals >= 0:
-                level = finals
-            queues[level][key] = (status, clock)
-            levels[key] = level
-            ghost.pop(key, None)
+        turn_insert(
+            self._queues,
+            self._ghost,
+            self._birth,
+            self._time,
+            self._reserved,
+            keys,
+            statuses,
+            self._clock,
+            finals,
+        )
 
     def remove(self, key: OffloadKey) -> None:
-        level = self._level.pop(key, None)
+        level = self._queue_of(key)
         if level is not None:
-            del self._queues[level][key]
-            del self._birth[key]
+            self._queues[level].remove(key)
+            del self._birth[key], self._time[key]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         if self._current is None:
             self._clock += 1  # no announced request: each touch is one
-        clock = self._clock
-        queues, levels, ghost = self._queues, self._level, self._ghost
-        # Leading keys known (resident or remembered): the request's reuse depth.
-        depth = 0
-        deepest: tuple[int, int] | None = None
-        for key in keys:
-            queue = levels.get(key)
-            if queue is not None:
-                deepest = (self._birth[key], queues[queue][key][1])
-            elif key in ghost:
-                deepest = ghost[key]
-            else:
-                break
-            depth += 1
-        request_level = 0
-        if depth >= 2 and deepest is not None:
-            level, last_use = deepest
-            request_level = min(self.levels - 1, level + 1)
-            gap = clock - last_use
-            if self._gap is None:
-                self._gap = float(gap)
-            else:
-                self._gap += self.gap_weight * (gap - self._gap)
-        running = self._running.get(self._current) if self._current is not None else None
-        if running is not None:
-            running[0][0] = max(running[0][0], request_level)
-            if keys:
-                running[1].add(keys[-1])
         reserved = self._reserved
-        final = keys[-1] if keys else None
-        for key in reversed(keys):
-            queue = levels.get(key)
-            if queue is None:
-                reserved.pop(key, None)
-                reserved[key] = (request_level, key == final)
-                continue
-            status = queues[queue].pop(key)[0]
-            level = max(0 if queue == self.levels else queue, request_level)
-            queues[level][key] = (status, clock)
-            levels[key] = level
-        while len(reserved) > self._reserve_limit:
-            reserved.popitem(last=False)
+        request_level, gap = turn_touch(self._queues, self._birth, self._time, reserved, keys, self._clock)
+        if gap is not None:
+            self._gap = float(gap) if self._gap is None else self._gap + self.gap_weight * (gap - self._gap)
+        if self._current is not None:
+            running = self._running.get(self._current)
+            if running is not None:
+                running[0][0] = max(running[0][0], request_level)
+                if keys:
+                    running[1].add(keys[-1])
+        excess = len(reserved) - self._reserve_limit
+        if excess > 0:  # the oldest ``excess``, in a C loop
+            deque(map(reserved.pop, list(islice(reserved, excess))), maxlen=0)
 
     # -- request hooks -------------------------------------------------------------
 
@@ -192,74 +179,197 @@ class TurnLRUPolicy(CachePolicy):
         if entry is None:
             return
         (level,), named_last = entry
-        queues, levels, births, finals = self._queues, self._level, self._birth, self.levels
-        for key in inserted:
-            queue = levels.get(key)
-            if queue is not None and queue < level:
-                queues[level][key] = (queues[queue].pop(key)[0], self._clock)
-                levels[key] = births[key] = level
+        queues, finals = self._queues, self.levels
+        if level:
+            turn_raise(queues, self._birth, self._time, inserted, level, self._clock)
         for keys in key_groups:
             last = keys[-1] if keys else None
-            if last in inserted and last in named_last and levels.get(last, finals) != finals:
-                queues[finals][last] = queues[levels[last]].pop(last)
-                levels[last] = finals
+            if last in inserted and last in named_last:
+                at = self._queue_of(last)
+                if at is not None and at != finals:
+                    queues[finals].take_from(queues[at], [last])
 
     # -- eviction ------------------------------------------------------------------
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        if n > len(self._level):
+        if n > sum(map(len, self._queues)):
             return None
-        queues = self._queues
-        step = self._gap or 0.0
-        iterators = [iter(queue.items()) for queue in queues]
-        heads: list[tuple[OffloadKey, int] | None] = []
-
-        def advance(index: int) -> tuple[OffloadKey, int] | None:
-            for key, (status, last_use) in iterators[index]:
-                if status.ref == 0 and key not in protected:
-                    return key, last_use
-            return None
-
-        heads = [advance(index) for index in range(len(queues))]
-        finals = self.levels
-        victims: list[tuple[OffloadKey, int, int]] = []  # key, queue, last use
-        while len(victims) < n:
-            pick = finals if heads[finals] is not None else -1
-            if pick < 0:
-                best = 0.0
-                for level in range(finals):
-                    head = heads[level]
-                    if head is not None:
-                        priority = head[1] + level * step
-                        if pick < 0 or priority < best:
-                            pick, best = level, priority
-                if pick < 0:
-                    return None
-            key, last_use = heads[pick]  # type: ignore[misc]
-            victims.append((key, pick, last_use))
-            heads[pick] = advance(pick)
-        levels, births, ghost = self._level, self._birth, self._ghost
-        for key, queue, last_use in victims:
-            del queues[queue][key]
-            del levels[key]
-            birth = births.pop(key)
-            if queue != finals and self.ghost_limit:
-                ghost[key] = (birth, last_use)
-                ghost.move_to_end(key)
-        while len(ghost) > self.ghost_limit:
-            ghost.popitem(last=False)
-        return [key for key, _, _ in victims]
+        return turn_evict(
+            self._queues,
+            self._ghost,
+            self._birth,
+            self._time,
+            n,
+            protected,
+            self._gap or 0.0,
+            self.ghost_limit,
+        )
 
     def clear(self) -> None:
         for queue in self._queues:
             queue.clear()
-        self._level.clear()
-        self._birth.clear()
         self._ghost.clear()
+        self._birth.clear()
+        self._time.clear()
         self._clock = 0
         self._gap = None
         self._reserved.clear()
         self._running.clear()
         self._current = None
+
+
+# -- the per-key paths (C versions replace them where built) ---------------------------
+# ``queues`` are the level orders, the last one the final blocks'; ``births`` and ``times``
+# hold the resident and the ghost keys.
+
+
+def _find(queues: Sequence[Order], key: OffloadKey) -> int | None:
+    for i, queue in enumerate(queues):
+        if key in queue.table:
+            return i
+    return None
+
+
+def turn_touch(
+    queues: Sequence[Order],
+    births: dict,
+    times: dict,
+    reserved: dict,
+    keys: Sequence[OffloadKey],
+    clock: int,
+) -> tuple[int, int | None]:
+    """A request's touch at ``clock``: its level (one above the birth level of the deepest
+    of its leading known keys, when at least two; capped below the final queue) and its
+    gap (``clock`` less that key's last use, else ``None``); then, walking ``keys``
+    backwards, each resident one to the recent end of the queue of the higher of its level
+    (0 for a final block) and the request's, used at ``clock``, and each absent one
+    reserved anew (to ``reserved``' end): ``(level, whether it is keys[-1])``. Returns the
+    level and the gap."""
+    finals = len(queues) - 1
+    known = list(takewhile(births.__contains__, keys))
+    level, gap = 0, None
+    if len(known) >= 2:
+        level = min(finals - 1, births[known[-1]] + 1)
+        gap = clock - times[known[-1]]
+    final = keys[-1] if keys else None
+    for key in reversed(keys):
+        at = _find(queues, key)
+        if at is None:
+            reserved.pop(key, None)
+            reserved[key] = (level, key == final)
+            continue
+        status = queues[at].table.pop(key)
+        queues[max(0 if at == finals else at, level)].table[key] = status
+        times[key] = clock
+    return level, gap
+
+
+def turn_insert(
+    queues: Sequence[Order],
+    ghost: Order,
+    births: dict,
+    times: dict,
+    reserved: dict,
+    keys: Sequence[OffloadKey],
+    statuses: Sequence[BlockStatus],
+    clock: int,
+    finals: int,
+) -> None:
+    """Each key (out of any queue and the ghost list first) stored with its status and its
+    reservation ``(level, named last)`` popped (``(0, False)`` without one): born at
+    ``level``, used at ``clock``, in queue ``finals`` when named last and ``finals >= 0``,
+    else in queue ``level``."""
+    if len(keys) != len(statuses):
+        raise ValueError(f"{len(keys)} keys but {len(statuses)} statuses")
+    for key, status in zip(keys, statuses):
+        level, last = reserved.pop(key, (0, False))
+        at = _find(queues, key)
+        if at is not None:
+            del queues[at].table[key]
+        births[key] = level
+        queues[finals if last and finals >= 0 else level].table[key] = status
+        times[key] = clock
+        ghost.remove(key)
+
+
+def turn_raise(
+    queues: Sequence[Order], births: dict, times: dict, keys: Iterable[OffloadKey], level: int, clock: int
+) -> None:
+    """Each resident key of a queue below ``level`` to queue ``level``'s recent end, born at
+    ``level`` and used at ``clock``."""
+    for key in keys:
+        at = _find(queues, key)
+        if at is not None and at < level:
+            queues[level].table[key] = queues[at].table.pop(key)
+            births[key] = level
+            times[key] = clock
+
+
+def turn_evict(
+    queues: Sequence[Order],
+    ghost: Order,
+    births: dict,
+    times: dict,
+    n: int,
+    protected: Collection[OffloadKey],
+    step: float,
+    ghost_limit: int,
+) -> list[OffloadKey] | None:
+    """``n`` idle keys outside ``protected``: the final queue's first, then the lowest
+    ``time + level x step`` of each queue's least recent (the lower level on a tie); the
+    non-final ones to the ghost list (if ``ghost_limit``), trimmed to ``ghost_limit``. Or
+    ``None``, changing nothing."""
+    finals = len(queues) - 1
+    iterators = [iter(queue.table.items()) for queue in queues]
+
+    def advance(index: int) -> OffloadKey | None:
+        for key, status in iterators[index]:
+            if status.ref == 0 and key not in protected:
+                return key
+        return None
+
+    heads = [advance(index) for index in range(len(queues))]
+    victims: list[tuple[OffloadKey, int]] = []
+    while len(victims) < n:
+        pick = finals if heads[finals] is not None else -1
+        if pick < 0:
+            best = 0.0
+            for level in range(finals):
+                head = heads[level]
+                if head is not None:
+                    priority = times[head] + level * step
+                    if pick < 0 or priority < best:
+                        pick, best = level, priority
+            if pick < 0:
+                return None
+        victims.append((heads[pick], pick))
+        heads[pick] = advance(pick)
+    for key, at in victims:
+        status = queues[at].table.pop(key)
+        if at != finals and ghost_limit:
+            ghost.table[key] = status
+        else:
+            del births[key], times[key]
+    while len(ghost) > ghost_limit:
+        key, _ = ghost.table.popitem(last=False)
+        del births[key], times[key]
+    return [key for key, _ in victims]
+
+
+# The Python versions, kept where the C ones replace them (tests compare the two).
+PYTHON_VERSIONS = {
+    "turn_touch": turn_touch,
+    "turn_insert": turn_insert,
+    "turn_raise": turn_raise,
+    "turn_evict": turn_evict,
+}
+
+if NATIVE:
+    from kvoffload.policies._blocks import (  # type: ignore[no-redef] # noqa: E402,F811
+        turn_evict,
+        turn_insert,
+        turn_raise,
+        turn_touch,
+    )
