@@ -15,6 +15,7 @@ import kvoffload.policies.arc as arc_module
 import kvoffload.policies.lru as lru_module
 import kvoffload.policies.s3fifo as s3fifo_module
 import kvoffload.policies.turnlru as turnlru_module
+import kvoffload.policies.wtinylfu as wtinylfu_module
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.manager import RequestContext
 from kvoffload.policies import blocks, resolve_policy
@@ -228,17 +229,17 @@ def replay(policy: str, seed: int) -> tuple:
 
 def on_python(monkeypatch) -> None:
     """Every user of the C paths switched to the Python versions."""
-    for module in (lru_module, arc_module, s3fifo_module, turnlru_module):
+    for module in (lru_module, arc_module, s3fifo_module, turnlru_module, wtinylfu_module):
         monkeypatch.setattr(module, "Order", PY["Order"])
     for name in ("lookup_prefix", "pin", "unpin", "complete", "reserve", "absent", "release"):
         monkeypatch.setattr(cpu_module, f"_{name}", PY[name])
-    for module in (s3fifo_module, turnlru_module):
+    for module in (s3fifo_module, turnlru_module, wtinylfu_module):
         for name, function in module.PYTHON_VERSIONS.items():
             monkeypatch.setattr(module, name, function)
 
 
 @native
-@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "turnlru"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "turnlru", "wtinylfu"])
 def test_cpu_tier_gives_the_same_answers_on_c_and_python(policy, monkeypatch):
     on_c = replay(policy, 7)
     on_python(monkeypatch)
@@ -286,7 +287,7 @@ def drive(policy: str, seed: int) -> list:
 
 
 @native
-@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "turnlru"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "turnlru", "wtinylfu"])
 @pytest.mark.parametrize("seed", range(8))
 def test_policies_choose_the_same_victims_on_c_and_python(policy, seed, monkeypatch):
     on_c = drive(policy, seed)

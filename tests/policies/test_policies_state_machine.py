@@ -56,7 +56,8 @@ def tracked_keys(policy: CachePolicy) -> list[bytes]:
     names = set(getattr(policy, "__dict__", ()))
     names.update(name for cls in type(policy).__mro__ for name in getattr(cls, "__slots__", ()))
     for name in names:
-        visit(getattr(policy, name, None))
+        if not name.endswith("_index"):  # an index over the other entries (ghosts too), not one more
+            visit(getattr(policy, name, None))
     return found
 
 

@@ -30,6 +30,8 @@
  *   s3fifo_insert, s3fifo_evict, bump: S3-FIFO's (_blocks_s3fifo.c; kvoffload.policies.s3fifo).
  *   turn_touch, turn_insert, turn_raise, turn_evict: the turn-aware LRU's (_blocks_turnlru.c;
  *   kvoffload.policies.turnlru has their Python versions).
+ *   Sketch(bits, sample_size), wtinylfu_touch, wtinylfu_evict: W-TinyLFU's frequency sketch
+ *   and paths (_blocks_wtinylfu.c; kvoffload.policies.sketch and .wtinylfu).
  *
  * Why C: a few Python operations per key on every step of a request (about half a replay's
  * time went to making, reading and writing status objects and OrderedDict moves).
@@ -201,6 +203,50 @@ PyObject *evictable(Order *o, Py_ssize_t limit, PyObject *protected) {
     return found;
 }
 
+/* ``s`` (``key``'s, linked in ``src``) to the most recent end of ``dst``, keeping its links'
+ * references; 0, or -1 with an error set (nothing moved). */
+int move_status(Order *dst, Order *src, Status *s, PyObject *key) {
+    if (dst == src) {
+        to_tail(dst, s);
+        return 0;
+    }
+    if (PyDict_SetItem(dst->table, key, (PyObject *)s) < 0) return -1;
+    if (PyDict_DelItem(src->table, key) < 0) {
+        (void)PyDict_DelItem(dst->table, key);
+        return -1;
+    }
+    detach(src, s);
+    s->owner = (PyObject *)dst;
+    s->next = NULL;
+    s->prev = dst->tail;
+    if (dst->tail) dst->tail->next = s; else dst->head = s;
+    dst->tail = s;
+    return 0;
+}
+
+/* The next status from ``s`` on (inclusive) that is idle and not in ``protected``; NULL at the
+ * end (check PyErr_Occurred). */
+Status *next_idle(Status *s, PyObject *protected) {
+    for (; s != NULL; s = s->next) {
+        long r = get_ref((PyObject *)s);
+        if (r == -2) return NULL;
+        if (r != 0) continue;
+        int hit = contains(protected, s->key);
+        if (hit < 0) return NULL;
+        if (!hit) return s;
+    }
+    return NULL;
+}
+
+void to_head(Order *o, Status *s) {
+    if (o->head == s) return;
+    detach(o, s);
+    s->prev = NULL;
+    s->next = o->head;
+    o->head->prev = s;
+    o->head = s;
+}
+
 int remove_key(Order *o, PyObject *key) {
     Status *s = (Status *)PyDict_GetItemWithError(o->table, key);
     if (s == NULL) return PyErr_Occurred() ? -1 : 0;
@@ -275,6 +321,8 @@ static PyMethodDef module_methods[] = {
     {"turn_insert", turn_insert, METH_VARARGS, NULL},
     {"turn_raise", turn_raise, METH_VARARGS, NULL},
     {"turn_evict", turn_evict, METH_VARARGS, NULL},
+    {"wtinylfu_touch", wtinylfu_touch, METH_VARARGS, NULL},
+    {"wtinylfu_evict", wtinylfu_evict, METH_VARARGS, NULL},
     {NULL},
 };
 
@@ -291,12 +339,13 @@ PyMODINIT_FUNC PyInit__blocks(void) {
         .tp_members = Order_members,
         .tp_as_sequence = &Order_as_sequence,
     };
-    if (status_type_ready() < 0 || PyType_Ready(&OrderType) < 0)
+    if (status_type_ready() < 0 || sketch_type_ready() < 0 || PyType_Ready(&OrderType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "BlockStatus", (PyObject *)&StatusType) < 0 ||
-        PyModule_AddObjectRef(m, "Order", (PyObject *)&OrderType) < 0) {
+        PyModule_AddObjectRef(m, "Order", (PyObject *)&OrderType) < 0 ||
+        PyModule_AddObjectRef(m, "Sketch", (PyObject *)&SketchType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,6 +1,7 @@
 /* Shared by _blocks.c (the Order type, the module), _blocks_status.c (BlockStatus) and
  * _blocks_table.c (the manager's batch paths), _blocks_moves.c (moves between orders),
- * _blocks_s3fifo.c (S3-FIFO), _blocks_turnlru.c (the turn-aware LRU). */
+ * _blocks_s3fifo.c (S3-FIFO), _blocks_turnlru.c (the turn-aware LRU), _blocks_wtinylfu.c
+ * (W-TinyLFU and its frequency sketch). */
 #ifndef KVOFFLOAD_BLOCKS_H
 #define KVOFFLOAD_BLOCKS_H
 #include <Python.h>
@@ -13,6 +14,7 @@ typedef struct Status {
     struct Status *prev, *next; /* the order holds a reference to each linked status */
     PyObject *owner;            /* borrowed: the Order it is linked in, or NULL */
     PyObject *target;           /* a proxy's: the status object it stands for, else NULL */
+    long birth, used;           /* the turn-aware LRU's: level stored at, time of last use */
 } Status;
 
 typedef struct {
@@ -39,6 +41,13 @@ PyObject *proxy_for(PyObject *status);
 void link_tail(Order *o, Status *s, PyObject *key);
 void detach(Order *o, Status *s); /* out of the list, its links left for the caller */
 void to_tail(Order *o, Status *s);
+void to_head(Order *o, Status *s); /* a linked ``s`` to the least recent end */
+/* ``s`` (``key``'s, linked in ``src``) to the most recent end of ``dst``, keeping its links'
+ * references; 0, or -1 with an error set (nothing moved). */
+int move_status(Order *dst, Order *src, Status *s, PyObject *key);
+/* The next status from ``s`` on (inclusive) that is idle and not in ``protected``; NULL at the
+ * end (check PyErr_Occurred). */
+Status *next_idle(Status *s, PyObject *protected);
 int remove_key(Order *o, PyObject *key);
 /* ``key`` -> ``status`` entered as ``insert_many`` does (0, or -1 with an error set). */
 int order_insert(Order *o, PyObject *key, PyObject *status);
@@ -64,6 +73,13 @@ PyObject *turn_touch(PyObject *module, PyObject *args);
 PyObject *turn_insert(PyObject *module, PyObject *args);
 PyObject *turn_raise(PyObject *module, PyObject *args);
 PyObject *turn_evict(PyObject *module, PyObject *args);
+
+/* W-TinyLFU's (in _blocks_wtinylfu.c): the Sketch type (made ready by ``sketch_type_ready``,
+ * -1 with an error set) and module functions. */
+extern PyTypeObject SketchType;
+int sketch_type_ready(void);
+PyObject *wtinylfu_touch(PyObject *module, PyObject *args);
+PyObject *wtinylfu_evict(PyObject *module, PyObject *args);
 
 PyObject *lookup_prefix(PyObject *module, PyObject *args);
 PyObject *pin(PyObject *module, PyObject *args);

@@ -62,7 +62,7 @@ PyObject *Order_arc_touch(Order *t1, PyObject *args) {
         long r = s == NULL ? 0 : get_ref((PyObject *)s);
         int in_b = 0;
         if (s != NULL && r >= 0) { /* a second access: to T2's most recent end */
-            move_key(t2, t1, key);
+            move_status(t2, t1, s, key);
         } else if (s != NULL && r == -1) {
             to_tail(t1, s);
         } else if (!PyErr_Occurred() && (s = (Status *)PyDict_GetItemWithError(t2->table, key)) != NULL) {
@@ -110,7 +110,14 @@ PyObject *Order_arc_insert(Order *t1, PyObject *args) {
         int ghost = remove_key(b1, key); /* seen before: T2 */
         if (ghost == 0) ghost = remove_key(b2, key);
         if (ghost < 0) goto fail;
-        if (order_insert(ghost > 0 ? t2 : t1, key, PySequence_Fast_GET_ITEM(sf, i)) < 0) goto fail;
+        PyObject *status = PySequence_Fast_GET_ITEM(sf, i);
+        Order *dst = ghost > 0 ? t2 : t1;
+        if (EXACT(status) && ((Status *)status)->owner == NULL) { /* absent from both: no entry to replace */
+            if (PyDict_SetItem(dst->table, key, status) < 0) goto fail;
+            link_tail(dst, (Status *)status, key);
+        } else if (order_insert(dst, key, status) < 0) {
+            goto fail;
+        }
     }
     Py_DECREF(kf);
     Py_DECREF(sf);
@@ -121,10 +128,19 @@ fail:
     return NULL;
 }
 
-/* ``keys`` of ``src`` to ``ghosts``' most recent end, then the oldest ghosts past ``bound`` dropped. */
-static int to_ghosts(Order *ghosts, Order *src, PyObject *keys, Py_ssize_t bound) {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++)
-        if (move_key(ghosts, src, PyList_GET_ITEM(keys, i)) < 0) return -1;
+/* Up to ``limit`` statuses of ``o`` into ``out``, least recent first, idle and not in
+ * ``protected``: how many, or -1 with an error set. */
+static Py_ssize_t collect(Order *o, Py_ssize_t limit, PyObject *protected, Status **out) {
+    Py_ssize_t count = 0;
+    for (Status *s = o->head; count < limit && (s = next_idle(s, protected)) != NULL; s = s->next) out[count++] = s;
+    return PyErr_Occurred() ? -1 : count;
+}
+
+/* ``picked`` (statuses of ``src``) to ``ghosts``' most recent end, then the oldest ghosts past
+ * ``bound`` dropped; a key is in one of ARC's four lists at most, so none is in ``ghosts``. */
+static int to_ghosts(Order *ghosts, Order *src, Status **picked, Py_ssize_t count, Py_ssize_t bound) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (move_status(ghosts, src, picked[i], picked[i]->key) < 0) return -1;
     while (ghosts->head != NULL && PyDict_GET_SIZE(ghosts->table) > bound)
         if (remove_key(ghosts, ghosts->head->key) < 0) return -1;
     return 0;
@@ -132,31 +148,37 @@ static int to_ghosts(Order *ghosts, Order *src, PyObject *keys, Py_ssize_t bound
 
 PyObject *Order_arc_evict(Order *t1, PyObject *args) {
     Order *t2, *b1, *b2;
-    PyObject *protected, *from_t1 = NULL, *from_t2 = NULL, *out = NULL;
+    PyObject *protected, *out = NULL;
     Py_ssize_t n, capacity;
     double target;
     if (!PyArg_ParseTuple(args, "O!O!O!nOdn:arc_evict", &OrderType, &t2, &OrderType, &b1, &OrderType, &b2, &n,
                           &protected, &target, &capacity))
         return NULL;
+    if (n < 0) n = 0;
+    Status **from_t1 = PyMem_Malloc((size_t)(2 * n + 1) * sizeof(Status *)), **from_t2 = from_t1 + n;
+    if (from_t1 == NULL) return PyErr_NoMemory();
     /* The paper takes from T1 while |T1| > p; each victim shrinks |T1| by one. */
     double excess = (double)PyDict_GET_SIZE(t1->table) - target;
     Py_ssize_t want = excess > 0 ? (Py_ssize_t)ceil(excess) : 0;
-    from_t1 = evictable(t1, want < n ? want : n, protected);
-    from_t2 = from_t1 ? evictable(t2, n - PyList_GET_SIZE(from_t1), protected) : NULL;
-    if (from_t2 == NULL) goto done;
-    if (PyList_GET_SIZE(from_t1) + PyList_GET_SIZE(from_t2) < n) { /* the other list makes up */
-        Py_SETREF(from_t1, evictable(t1, n - PyList_GET_SIZE(from_t2), protected));
-        if (from_t1 == NULL) goto done;
-        if (PyList_GET_SIZE(from_t1) + PyList_GET_SIZE(from_t2) < n) {
-            out = Py_None;
-            Py_INCREF(out);
-            goto done;
-        }
+    Py_ssize_t n1 = collect(t1, want < n ? want : n, protected, from_t1);
+    Py_ssize_t n2 = n1 < 0 ? -1 : collect(t2, n - n1, protected, from_t2);
+    if (n2 >= 0 && n1 + n2 < n) /* the other list makes up */
+        n1 = collect(t1, n - n2, protected, from_t1);
+    if (n1 < 0 || n2 < 0) goto done;
+    if (n1 + n2 < n) {
+        out = Py_None;
+        Py_INCREF(out);
+        goto done;
     }
-    if (to_ghosts(b1, t1, from_t1, capacity) == 0 && to_ghosts(b2, t2, from_t2, capacity) == 0)
-        out = PySequence_Concat(from_t1, from_t2);
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *key = (i < n1 ? from_t1[i] : from_t2[i - n1])->key;
+        Py_INCREF(key);
+        PyList_SET_ITEM(out, i, key);
+    }
+    if (out != NULL && (to_ghosts(b1, t1, from_t1, n1, capacity) < 0 || to_ghosts(b2, t2, from_t2, n2, capacity) < 0))
+        Py_CLEAR(out);
 done:
-    Py_XDECREF(from_t1);
-    Py_XDECREF(from_t2);
+    PyMem_Free(from_t1);
     return out;
 }

@@ -1,49 +1,29 @@
 /* kvoffload.policies._blocks: the turn-aware LRU's paths over its level orders (``queues``,
- * a tuple, the last one the final blocks'), its ghost order and its dicts key -> level it
- * was stored at (``births``) and key -> time of last use (``times``), both holding the
- * resident and the ghost keys; the contracts are kvoffload.policies.turnlru's Python
- * versions (turn_touch, turn_insert, turn_raise, turn_evict), which do the same. */
+ * a tuple, the last one the final blocks'), its ghost order and its index ``known``, a dict
+ * key -> the status linked for it in a queue or the ghost order (resident and ghost keys);
+ * each linked status carries the level the key was stored at (``birth``) and the time of its
+ * last use (``used``). The contracts are kvoffload.policies.turnlru's Python versions
+ * (turn_touch, turn_insert, turn_raise, turn_evict), which keep the same in a dict key ->
+ * [birth, used] and give the same answers. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "_blocks.h"
 
-/* ``key``'s status in one of ``queues`` (borrowed; its index in ``*at``), NULL when absent
- * (check PyErr_Occurred); a key not in ``births`` (resident and ghost keys) is absent at once. */
-static Status *find(PyObject *queues, PyObject *births, PyObject *key, Py_ssize_t *at) {
-    int known = PyDict_Contains(births, key);
-    if (known <= 0) return NULL;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(queues); i++) {
-        Order *q = (Order *)PyTuple_GET_ITEM(queues, i);
-        Status *s = (Status *)PyDict_GetItemWithError(q->table, key);
-        if (s != NULL) {
-            *at = i;
-            return s;
-        }
-        if (PyErr_Occurred()) return NULL;
-    }
-    return NULL;
+/* The index of the queue ``s`` is linked in, or -1 (a ghost's, or not linked). */
+static Py_ssize_t queue_of(PyObject *queues, Status *s) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(queues); i++)
+        if (s->owner == PyTuple_GET_ITEM(queues, i)) return i;
+    return -1;
 }
 
-/* ``s`` (``key``'s, linked in ``src``) to the most recent end of ``dst``, keeping its links'
- * references; 0, or -1 with an error set (nothing moved). */
-static int move_status(Order *dst, Order *src, Status *s, PyObject *key) {
-    if (dst == src) {
-        to_tail(dst, s);
-        return 0;
-    }
-    if (PyDict_SetItem(dst->table, key, (PyObject *)s) < 0) return -1;
-    if (PyDict_DelItem(src->table, key) < 0) {
-        (void)PyDict_DelItem(dst->table, key);
-        return -1;
-    }
-    detach(src, s);
-    s->owner = (PyObject *)dst;
-    s->next = NULL;
-    s->prev = dst->tail;
-    if (dst->tail) dst->tail->next = s; else dst->head = s;
-    dst->tail = s;
-    return 0;
+/* ``key``'s status in one of ``queues`` (borrowed; its index in ``*at``), NULL when absent or a
+ * ghost (check PyErr_Occurred). */
+static Status *find(PyObject *queues, PyObject *known, PyObject *key, Py_ssize_t *at) {
+    Status *s = (Status *)PyDict_GetItemWithError(known, key);
+    if (s == NULL) return NULL;
+    *at = queue_of(queues, s);
+    return *at < 0 ? NULL : s;
 }
 
 static int check_queues(PyObject *queues) {
@@ -60,35 +40,28 @@ static int check_queues(PyObject *queues) {
 }
 
 PyObject *turn_touch(PyObject *module, PyObject *args) {
-    PyObject *queues, *births, *times, *reserved, *keys, *clock_obj;
-    if (!PyArg_ParseTuple(args, "OO!O!O!OO:turn_touch", &queues, &PyDict_Type, &births, &PyDict_Type, &times,
-                          &PyDict_Type, &reserved, &keys, &clock_obj))
+    PyObject *queues, *known, *reserved, *keys;
+    long clock;
+    if (!PyArg_ParseTuple(args, "OO!O!Ol:turn_touch", &queues, &PyDict_Type, &known, &PyDict_Type, &reserved, &keys,
+                          &clock))
         return NULL;
     if (check_queues(queues) < 0) return NULL;
-    long clock = PyLong_AsLong(clock_obj);
-    if (clock == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t finals = PyTuple_GET_SIZE(queues) - 1, depth = 0, level = 0;
     PyObject *kf = PySequence_Fast(keys, "keys must be a sequence");
     if (kf == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(kf);
-    PyObject *gap = Py_None, *deepest = NULL;
+    PyObject *gap = Py_None;
+    Status *deepest = NULL;
     Py_INCREF(gap);
     for (; depth < n; depth++) { /* the leading keys known (resident or ghost): the reuse depth */
-        PyObject *key = PySequence_Fast_GET_ITEM(kf, depth);
-        int known = PyDict_Contains(births, key);
-        if (known < 0) goto fail;
-        if (!known) break;
-        deepest = key;
+        Status *s = (Status *)PyDict_GetItemWithError(known, PySequence_Fast_GET_ITEM(kf, depth));
+        if (s == NULL) break;
+        deepest = s;
     }
+    if (PyErr_Occurred()) goto fail;
     if (depth >= 2) {
-        PyObject *b = PyDict_GetItemWithError(births, deepest), *t = b ? PyDict_GetItemWithError(times, deepest) : NULL;
-        long born = b ? PyLong_AsLong(b) : -1, used = t ? PyLong_AsLong(t) : -1;
-        if (PyErr_Occurred() || t == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, deepest);
-            goto fail;
-        }
-        level = born + 1 < finals - 1 ? born + 1 : finals - 1;
-        Py_SETREF(gap, PyLong_FromLong(clock - used));
+        level = deepest->birth + 1 < finals - 1 ? deepest->birth + 1 : finals - 1;
+        Py_SETREF(gap, PyLong_FromLong(clock - deepest->used));
         if (gap == NULL) goto fail;
     }
     /* walking backwards: resident keys moved, absent ones reserved (re-entered at the end) */
@@ -98,7 +71,7 @@ PyObject *turn_touch(PyObject *module, PyObject *args) {
     for (Py_ssize_t i = n - 1; rc == 0 && i >= 0; i--) {
         PyObject *key = PySequence_Fast_GET_ITEM(kf, i);
         Py_ssize_t at = 0;
-        Status *s = find(queues, births, key, &at);
+        Status *s = find(queues, known, key, &at);
         if (s == NULL) {
             int eq = PyErr_Occurred() ? -1 : key == final ? 1 : PyObject_RichCompareBool(key, final, Py_EQ);
             int held = eq < 0 ? -1 : PyDict_Contains(reserved, key);
@@ -110,9 +83,8 @@ PyObject *turn_touch(PyObject *module, PyObject *args) {
         }
         Py_ssize_t to = at == finals ? 0 : at;
         if (to < level) to = level;
-        if (move_status((Order *)PyTuple_GET_ITEM(queues, to), (Order *)PyTuple_GET_ITEM(queues, at), s, key) < 0 ||
-            PyDict_SetItem(times, key, clock_obj) < 0)
-            rc = -1;
+        rc = move_status((Order *)PyTuple_GET_ITEM(queues, to), (Order *)PyTuple_GET_ITEM(queues, at), s, key);
+        s->used = clock;
     }
     Py_XDECREF(plain);
     Py_XDECREF(last);
@@ -146,10 +118,11 @@ static int take_reservation(PyObject *reserved, PyObject *key, Py_ssize_t *level
 }
 
 PyObject *turn_insert(PyObject *module, PyObject *args) {
-    PyObject *queues, *ghost, *births, *times, *reserved, *keys, *statuses, *clock;
+    PyObject *queues, *ghost, *known, *reserved, *keys, *statuses;
+    long clock;
     Py_ssize_t finals;
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!OOOn:turn_insert", &queues, &OrderType, &ghost, &PyDict_Type, &births,
-                          &PyDict_Type, &times, &PyDict_Type, &reserved, &keys, &statuses, &clock, &finals))
+    if (!PyArg_ParseTuple(args, "OO!O!O!OOln:turn_insert", &queues, &OrderType, &ghost, &PyDict_Type, &known,
+                          &PyDict_Type, &reserved, &keys, &statuses, &clock, &finals))
         return NULL;
     if (check_queues(queues) < 0) return NULL;
     PyObject *kf = PySequence_Fast(keys, "keys must be a sequence");
@@ -162,7 +135,7 @@ PyObject *turn_insert(PyObject *module, PyObject *args) {
     }
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
         PyObject *key = PySequence_Fast_GET_ITEM(kf, i);
-        Py_ssize_t at = 0, level = 0;
+        Py_ssize_t level = 0;
         int last = 0;
         if (take_reservation(reserved, key, &level, &last) < 0) {
             rc = -1;
@@ -173,25 +146,31 @@ PyObject *turn_insert(PyObject *module, PyObject *args) {
             rc = -1;
             break;
         }
-        int known = PyDict_Contains(births, key);
-        Status *old = known > 0 ? find(queues, births, key, &at) : NULL;
-        if (known < 0) rc = -1;
-        else if (old != NULL) rc = remove_key((Order *)PyTuple_GET_ITEM(queues, at), key) < 0 ? -1 : 0;
-        else if (PyErr_Occurred()) rc = -1;
-        PyObject *born = rc == 0 ? PyLong_FromSsize_t(level) : NULL;
-        if (rc == 0) rc = born == NULL ? -1 : PyDict_SetItem(births, key, born);
-        Py_XDECREF(born);
-        if (last && finals >= 0) level = finals;
+        Status *old = (Status *)PyDict_GetItemWithError(known, key);
+        if (old != NULL) { /* resident (stored again) or a ghost: out of its order first */
+            Py_ssize_t at = queue_of(queues, old);
+            rc = remove_key(at >= 0 ? (Order *)PyTuple_GET_ITEM(queues, at) : (Order *)ghost, key) < 0 ? -1 : 0;
+        } else if (PyErr_Occurred()) {
+            rc = -1;
+        }
         PyObject *status = PySequence_Fast_GET_ITEM(sf, i);
-        Order *q = (Order *)PyTuple_GET_ITEM(queues, level);
-        if (rc == 0 && !known && EXACT(status) && ((Status *)status)->owner == NULL) { /* new: no entry to replace */
+        Order *q = (Order *)PyTuple_GET_ITEM(queues, last && finals >= 0 ? finals : level);
+        Status *linked = NULL;
+        if (rc == 0 && old == NULL && EXACT(status) && ((Status *)status)->owner == NULL) { /* nothing to replace */
             rc = PyDict_SetItem(q->table, key, status);
             if (rc == 0) link_tail(q, (Status *)status, key);
-        } else if (rc == 0) {
-            rc = order_insert(q, key, status);
+            linked = (Status *)status;
+        } else if (rc == 0 && order_insert(q, key, status) == 0) {
+            linked = (Status *)PyDict_GetItemWithError(q->table, key); /* a proxy, maybe */
         }
-        if (rc == 0) rc = PyDict_SetItem(times, key, clock);
-        if (rc == 0 && known && old == NULL) rc = remove_key((Order *)ghost, key) < 0 ? -1 : 0;
+        if (rc < 0 || linked == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+            rc = -1;
+            break;
+        }
+        linked->birth = (long)level;
+        linked->used = clock;
+        rc = PyDict_SetItem(known, key, (PyObject *)linked);
     }
     Py_XDECREF(kf);
     Py_XDECREF(sf);
@@ -200,13 +179,12 @@ PyObject *turn_insert(PyObject *module, PyObject *args) {
 }
 
 PyObject *turn_raise(PyObject *module, PyObject *args) {
-    PyObject *queues, *births, *times, *keys, *clock, *level_obj;
-    if (!PyArg_ParseTuple(args, "OO!O!OOO:turn_raise", &queues, &PyDict_Type, &births, &PyDict_Type, &times, &keys,
-                          &level_obj, &clock))
+    PyObject *queues, *known, *keys;
+    long clock;
+    Py_ssize_t level;
+    if (!PyArg_ParseTuple(args, "OO!Onl:turn_raise", &queues, &PyDict_Type, &known, &keys, &level, &clock))
         return NULL;
     if (check_queues(queues) < 0) return NULL;
-    Py_ssize_t level = PyNumber_AsSsize_t(level_obj, PyExc_OverflowError);
-    if (level == -1 && PyErr_Occurred()) return NULL;
     if (level < 0 || level >= PyTuple_GET_SIZE(queues)) {
         PyErr_Format(PyExc_ValueError, "level %zd out of range", level);
         return NULL;
@@ -216,14 +194,14 @@ PyObject *turn_raise(PyObject *module, PyObject *args) {
     int rc = 0;
     while (rc == 0 && (key = PyIter_Next(it)) != NULL) {
         Py_ssize_t at = 0;
-        Status *s = find(queues, births, key, &at);
-        if (s != NULL && at < level)
-            rc = move_status((Order *)PyTuple_GET_ITEM(queues, level), (Order *)PyTuple_GET_ITEM(queues, at), s, key) < 0 ||
-                         PyDict_SetItem(times, key, clock) < 0 || PyDict_SetItem(births, key, level_obj) < 0
-                     ? -1
-                     : 0;
-        else if (s == NULL && PyErr_Occurred())
+        Status *s = find(queues, known, key, &at);
+        if (s != NULL && at < level) {
+            rc = move_status((Order *)PyTuple_GET_ITEM(queues, level), (Order *)PyTuple_GET_ITEM(queues, at), s, key);
+            s->birth = (long)level;
+            s->used = clock;
+        } else if (s == NULL && PyErr_Occurred()) {
             rc = -1;
+        }
         Py_DECREF(key);
     }
     Py_DECREF(it);
@@ -231,39 +209,14 @@ PyObject *turn_raise(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The next status from ``s`` on (inclusive) that is idle and not in ``protected``; NULL at the
- * end (check PyErr_Occurred). */
-static Status *next_idle(Status *s, PyObject *protected) {
-    for (; s != NULL; s = s->next) {
-        long r = get_ref((PyObject *)s);
-        if (r == -2) return NULL;
-        if (r != 0) continue;
-        int hit = contains(protected, s->key);
-        if (hit < 0) return NULL;
-        if (!hit) return s;
-    }
-    return NULL;
-}
-
-static int time_of(PyObject *times, PyObject *key, double *out) {
-    PyObject *v = PyDict_GetItemWithError(times, key);
-    if (v == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
-        return -1;
-    }
-    long t = PyLong_AsLong(v);
-    *out = (double)t;
-    return t == -1 && PyErr_Occurred() ? -1 : 0;
-}
-
 #define MAX_QUEUES 64
 
 PyObject *turn_evict(PyObject *module, PyObject *args) {
-    PyObject *queues, *ghost, *births, *times, *protected;
+    PyObject *queues, *ghost, *known, *protected;
     Py_ssize_t n, ghost_limit;
     double step;
-    if (!PyArg_ParseTuple(args, "OO!O!O!nOdn:turn_evict", &queues, &OrderType, &ghost, &PyDict_Type, &births,
-                          &PyDict_Type, &times, &n, &protected, &step, &ghost_limit))
+    if (!PyArg_ParseTuple(args, "OO!O!nOdn:turn_evict", &queues, &OrderType, &ghost, &PyDict_Type, &known, &n,
+                          &protected, &step, &ghost_limit))
         return NULL;
     if (check_queues(queues) < 0) return NULL;
     Py_ssize_t nq = PyTuple_GET_SIZE(queues), finals = nq - 1;
@@ -272,11 +225,9 @@ PyObject *turn_evict(PyObject *module, PyObject *args) {
         return NULL;
     }
     Status *heads[MAX_QUEUES];
-    double uses[MAX_QUEUES];
     for (Py_ssize_t i = 0; i < nq; i++) {
         heads[i] = next_idle(((Order *)PyTuple_GET_ITEM(queues, i))->head, protected);
-        if (PyErr_Occurred() || (heads[i] != NULL && i < finals && time_of(times, heads[i]->key, &uses[i]) < 0))
-            return NULL;
+        if (PyErr_Occurred()) return NULL;
     }
     Status **picked = PyMem_Malloc((n > 0 ? n : 1) * sizeof(Status *));
     Py_ssize_t *from = PyMem_Malloc((n > 0 ? n : 1) * sizeof(Py_ssize_t)), count = 0;
@@ -285,13 +236,13 @@ PyObject *turn_evict(PyObject *module, PyObject *args) {
         PyErr_NoMemory();
         goto fail;
     }
-    while (count < n) {
+    while (count < n) { /* the final queue's first, then the lowest time + level x step */
         Py_ssize_t pick = heads[finals] != NULL ? finals : -1;
         double best = 0.0;
         for (Py_ssize_t i = 0; pick != finals && i < finals; i++)
-            if (heads[i] != NULL && (pick < 0 || uses[i] + (double)i * step < best)) {
+            if (heads[i] != NULL && (pick < 0 || (double)heads[i]->used + (double)i * step < best)) {
                 pick = i;
-                best = uses[i] + (double)i * step;
+                best = (double)heads[i]->used + (double)i * step;
             }
         if (pick < 0) {
             PyMem_Free(picked);
@@ -301,8 +252,7 @@ PyObject *turn_evict(PyObject *module, PyObject *args) {
         picked[count] = heads[pick];
         from[count++] = pick;
         heads[pick] = next_idle(heads[pick]->next, protected);
-        if (PyErr_Occurred() || (heads[pick] != NULL && pick < finals && time_of(times, heads[pick]->key, &uses[pick]) < 0))
-            goto fail;
+        if (PyErr_Occurred()) goto fail;
     }
     victims = PyList_New(n);
     if (victims == NULL) goto fail;
@@ -314,7 +264,7 @@ PyObject *turn_evict(PyObject *module, PyObject *args) {
         Order *q = (Order *)PyTuple_GET_ITEM(queues, from[i]);
         if (from[i] != finals && ghost_limit > 0) {
             if (move_status((Order *)ghost, q, s, key) < 0) goto fail;
-        } else if (remove_key(q, key) < 0 || PyDict_DelItem(births, key) < 0 || PyDict_DelItem(times, key) < 0) {
+        } else if (PyDict_DelItem(known, key) < 0 || remove_key(q, key) < 0) {
             goto fail;
         }
     }
@@ -326,7 +276,7 @@ PyObject *turn_evict(PyObject *module, PyObject *args) {
     while (g->head != NULL && PyDict_GET_SIZE(g->table) > ghost_limit) {
         PyObject *key = g->head->key;
         Py_INCREF(key);
-        int rc = remove_key(g, key) < 0 || PyDict_DelItem(births, key) < 0 || PyDict_DelItem(times, key) < 0;
+        int rc = PyDict_DelItem(known, key) < 0 || remove_key(g, key) < 0;
         Py_DECREF(key);
         if (rc) goto fail;
     }

@@ -20,7 +20,8 @@
   ``arc_insert(t2, b1, b2, keys, statuses)`` enters new keys (``KeyError`` for one
   resident already), a ghost's into T2; ``arc_evict(t2, b1, b2, n, protected, target,
   capacity)`` the ``n`` victims (T1's first while it exceeds ``target``), each list's to
-  its ghost list (trimmed to ``capacity``), or ``None`` changing nothing.
+  its ghost list (trimmed to ``capacity``), or ``None`` changing nothing. A key is in one
+  of the four lists at most (``arc_insert`` keeps it so).
 
 The manager's batch paths over its table (a dict key -> status), each all or nothing:
 ``lookup_prefix(table, keys) -> (hits, missed)``: the leading keys present and not in

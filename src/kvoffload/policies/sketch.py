@@ -8,13 +8,17 @@ history recent: after ``sample_factor * capacity`` increments every counter is h
 a key that stops being used loses its weight geometrically.
 
 Hashing is deterministic (no use of Python's per-process ``hash`` of bytes), so replays
-are reproducible across runs.
+are reproducible across runs. ``counts()`` is the rows of counters as bytes (for tests).
+
+Where ``kvoffload.policies._blocks`` was built, ``FrequencySketch`` is a subclass of its C
+``Sketch`` (the same counts, hashing and aging); ``PYTHON_VERSIONS`` keeps this one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 
+from kvoffload.policies.blocks import NATIVE
 from kvoffload.validation import non_negative_int, positive_int
 
 _MASK64 = (1 << 64) - 1
@@ -36,17 +40,23 @@ def _fold(key: Hashable) -> int:
     return (value % _MERSENNE61) + 1
 
 
+def _shape(capacity: int, sample_factor: int, width_factor: int) -> tuple[int, int]:
+    """(bits of a row's width, increments between agings), the arguments checked."""
+    non_negative_int("capacity", capacity)
+    positive_int("sample_factor", sample_factor)
+    positive_int("width_factor", width_factor)
+    bits = max(4, (max(capacity * width_factor, 1) - 1).bit_length())
+    return bits, sample_factor * max(capacity, 1)
+
+
 class FrequencySketch:
     """Approximate recent access counts of keys; memory is fixed by ``capacity``."""
 
     def __init__(self, capacity: int, sample_factor: int = 10, width_factor: int = 1) -> None:
-        non_negative_int("capacity", capacity)
-        positive_int("sample_factor", sample_factor)
-        bits = max(4, (max(capacity * width_factor, 1) - 1).bit_length())
+        bits, self.sample_size = _shape(capacity, sample_factor, width_factor)
         self.width = 1 << bits
         self._shift = 64 - bits
         self._table = bytearray(len(_ROW_SEEDS) * self.width)
-        self.sample_size = sample_factor * max(capacity, 1)
         self._additions = 0
 
     def _slots(self, key: Hashable) -> list[int]:
@@ -82,3 +92,22 @@ class FrequencySketch:
     def clear(self) -> None:
         self._table = bytearray(len(self._table))
         self._additions = 0
+
+    def counts(self) -> bytes:
+        """The counters, row after row."""
+        return bytes(self._table)
+
+
+# The Python version, kept where the C one replaces it (tests compare the two).
+PYTHON_VERSIONS = {"FrequencySketch": FrequencySketch}
+
+if NATIVE:
+    from kvoffload.policies._blocks import Sketch
+
+    class FrequencySketch(Sketch):  # type: ignore[no-redef]
+        """Approximate recent access counts of keys; memory is fixed by ``capacity`` (in C)."""
+
+        __slots__ = ()
+
+        def __init__(self, capacity: int, sample_factor: int = 10, width_factor: int = 1) -> None:
+            super().__init__(*_shape(capacity, sample_factor, width_factor))

@@ -51,9 +51,10 @@ the hooks (a trace replay) time counts touches and a stored key that its touch n
 is final at once.
 
 The queues and the ghost list are ``kvoffload.policies.blocks.Order`` lists (a ghost keeps
-its old status, never read) and ``touch``, ``insert_many`` and ``evict`` are one call each
-into them: C loops where ``kvoffload.policies._blocks`` was built, the Python functions
-here otherwise.
+its old status) and ``touch``, ``insert_many`` and ``evict`` are one call each into them:
+C loops where ``kvoffload.policies._blocks`` was built, the Python functions here
+otherwise. The index of resident and ghost keys (``known``) holds, in C, the status linked
+for each key, which carries its birth level and last use; in Python, ``[birth, used]``.
 """
 
 from __future__ import annotations
@@ -88,9 +89,8 @@ class TurnLRUPolicy(CachePolicy):
         self._queues: tuple[Order, ...] = tuple(Order() for _ in range(levels + 1))
         self._resident = [queue.table for queue in self._queues]  # key -> BlockStatus, for readers
         self._ghost = Order()  # recently evicted keys, least recent first
-        # resident and ghost key -> level it was stored at / time of its last use
-        self._birth: dict[OffloadKey, int] = {}
-        self._time: dict[OffloadKey, int] = {}
+        # resident and ghost key -> its birth level and last use (the module docstring says how)
+        self._index: dict = {}
         self._clock = 0
         self._gap: float | None = None
         # absent key -> (level of the request whose touch named it, named last by it)
@@ -125,28 +125,20 @@ class TurnLRUPolicy(CachePolicy):
     def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
         finals = self.levels if not self._running else -1  # with the hooks: at the finish
         turn_insert(
-            self._queues,
-            self._ghost,
-            self._birth,
-            self._time,
-            self._reserved,
-            keys,
-            statuses,
-            self._clock,
-            finals,
+            self._queues, self._ghost, self._index, self._reserved, keys, statuses, self._clock, finals
         )
 
     def remove(self, key: OffloadKey) -> None:
         level = self._queue_of(key)
         if level is not None:
             self._queues[level].remove(key)
-            del self._birth[key], self._time[key]
+            del self._index[key]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         if self._current is None:
             self._clock += 1  # no announced request: each touch is one
         reserved = self._reserved
-        request_level, gap = turn_touch(self._queues, self._birth, self._time, reserved, keys, self._clock)
+        request_level, gap = turn_touch(self._queues, self._index, reserved, keys, self._clock)
         if gap is not None:
             self._gap = float(gap) if self._gap is None else self._gap + self.gap_weight * (gap - self._gap)
         if self._current is not None:
@@ -181,7 +173,7 @@ class TurnLRUPolicy(CachePolicy):
         (level,), named_last = entry
         queues, finals = self._queues, self.levels
         if level:
-            turn_raise(queues, self._birth, self._time, inserted, level, self._clock)
+            turn_raise(queues, self._index, inserted, level, self._clock)
         for keys in key_groups:
             last = keys[-1] if keys else None
             if last in inserted and last in named_last:
@@ -197,22 +189,14 @@ class TurnLRUPolicy(CachePolicy):
         if n > sum(map(len, self._queues)):
             return None
         return turn_evict(
-            self._queues,
-            self._ghost,
-            self._birth,
-            self._time,
-            n,
-            protected,
-            self._gap or 0.0,
-            self.ghost_limit,
+            self._queues, self._ghost, self._index, n, protected, self._gap or 0.0, self.ghost_limit
         )
 
     def clear(self) -> None:
         for queue in self._queues:
             queue.clear()
         self._ghost.clear()
-        self._birth.clear()
-        self._time.clear()
+        self._index.clear()
         self._clock = 0
         self._gap = None
         self._reserved.clear()
@@ -221,8 +205,8 @@ class TurnLRUPolicy(CachePolicy):
 
 
 # -- the per-key paths (C versions replace them where built) ---------------------------
-# ``queues`` are the level orders, the last one the final blocks'; ``births`` and ``times``
-# hold the resident and the ghost keys.
+# ``queues`` are the level orders, the last one the final blocks'; ``known`` holds the
+# resident and the ghost keys: key -> [level it was stored at, time of its last use].
 
 
 def _find(queues: Sequence[Order], key: OffloadKey) -> int | None:
@@ -234,8 +218,7 @@ def _find(queues: Sequence[Order], key: OffloadKey) -> int | None:
 
 def turn_touch(
     queues: Sequence[Order],
-    births: dict,
-    times: dict,
+    known: dict,
     reserved: dict,
     keys: Sequence[OffloadKey],
     clock: int,
@@ -248,11 +231,12 @@ def turn_touch(
     reserved anew (to ``reserved``' end): ``(level, whether it is keys[-1])``. Returns the
     level and the gap."""
     finals = len(queues) - 1
-    known = list(takewhile(births.__contains__, keys))
+    leading = list(takewhile(known.__contains__, keys))
     level, gap = 0, None
-    if len(known) >= 2:
-        level = min(finals - 1, births[known[-1]] + 1)
-        gap = clock - times[known[-1]]
+    if len(leading) >= 2:
+        born, used = known[leading[-1]]
+        level = min(finals - 1, born + 1)
+        gap = clock - used
     final = keys[-1] if keys else None
     for key in reversed(keys):
         at = _find(queues, key)
@@ -262,15 +246,14 @@ def turn_touch(
             continue
         status = queues[at].table.pop(key)
         queues[max(0 if at == finals else at, level)].table[key] = status
-        times[key] = clock
+        known[key][1] = clock
     return level, gap
 
 
 def turn_insert(
     queues: Sequence[Order],
     ghost: Order,
-    births: dict,
-    times: dict,
+    known: dict,
     reserved: dict,
     keys: Sequence[OffloadKey],
     statuses: Sequence[BlockStatus],
@@ -288,14 +271,13 @@ def turn_insert(
         at = _find(queues, key)
         if at is not None:
             del queues[at].table[key]
-        births[key] = level
+        known[key] = [level, clock]
         queues[finals if last and finals >= 0 else level].table[key] = status
-        times[key] = clock
         ghost.remove(key)
 
 
 def turn_raise(
-    queues: Sequence[Order], births: dict, times: dict, keys: Iterable[OffloadKey], level: int, clock: int
+    queues: Sequence[Order], known: dict, keys: Iterable[OffloadKey], level: int, clock: int
 ) -> None:
     """Each resident key of a queue below ``level`` to queue ``level``'s recent end, born at
     ``level`` and used at ``clock``."""
@@ -303,15 +285,13 @@ def turn_raise(
         at = _find(queues, key)
         if at is not None and at < level:
             queues[level].table[key] = queues[at].table.pop(key)
-            births[key] = level
-            times[key] = clock
+            known[key] = [level, clock]
 
 
 def turn_evict(
     queues: Sequence[Order],
     ghost: Order,
-    births: dict,
-    times: dict,
+    known: dict,
     n: int,
     protected: Collection[OffloadKey],
     step: float,
@@ -339,7 +319,7 @@ def turn_evict(
             for level in range(finals):
                 head = heads[level]
                 if head is not None:
-                    priority = times[head] + level * step
+                    priority = known[head][1] + level * step
                     if pick < 0 or priority < best:
                         pick, best = level, priority
             if pick < 0:
@@ -351,10 +331,10 @@ def turn_evict(
         if at != finals and ghost_limit:
             ghost.table[key] = status
         else:
-            del births[key], times[key]
+            del known[key]
     while len(ghost) > ghost_limit:
         key, _ = ghost.table.popitem(last=False)
-        del births[key], times[key]
+        del known[key]
     return [key for key, _ in victims]
 
 

@@ -17,18 +17,21 @@ probation. ``touch`` walks its keys in reverse and keys of one store enter the w
 reverse call order, so a prefix's head is more recent than its tail. Keys that cannot be
 evicted (in flight, pinned, protected by the caller) keep their place; a failed ``evict``
 forgets no key (candidates may have moved from the window to probation).
+
+The segments are ``kvoffload.policies.blocks.Order`` lists and ``touch`` and ``evict`` one
+call each into them, with the sketch: C loops where ``kvoffload.policies._blocks`` was
+built (and the sketch its C one), the Python functions here otherwise.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from kvoffload.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy, first_evictable
+from kvoffload.policies.blocks import NATIVE, Order
+from kvoffload.policies.sketch import PYTHON_VERSIONS as _SKETCH_PYTHON
 from kvoffload.policies.sketch import FrequencySketch
-
-_Segment = OrderedDict  # key -> BlockStatus, oldest first
 
 
 class WTinyLFUPolicy(CachePolicy):
@@ -50,42 +53,29 @@ class WTinyLFUPolicy(CachePolicy):
         self.window_target = max(1, round(window_fraction * capacity))
         self.protected_target = int(protected_fraction * max(0, capacity - self.window_target))
         self.sketch = FrequencySketch(capacity, sample_factor, width_factor)
-        self._window: _Segment = OrderedDict()
-        self._probation: _Segment = OrderedDict()
-        self._protected: _Segment = OrderedDict()
+        self._window, self._probation, self._protected = Order(), Order(), Order()
+        # key -> BlockStatus of each segment, for readers
+        self._window_resident = self._window.table
+        self._probation_resident = self._probation.table
+        self._protected_resident = self._protected.table
 
     # -- bookkeeping -----------------------------------------------------------------
 
     def insert(self, key: OffloadKey, status: BlockStatus) -> None:
-        self._window[key] = status
+        self._window.insert_many((key,), (status,))
 
     def insert_many(self, keys: Sequence[OffloadKey], statuses: Sequence[BlockStatus]) -> None:
-        window = self._window
-        for key, status in zip(reversed(keys), reversed(statuses)):
-            window[key] = status
+        self._window.insert_many(keys[::-1], statuses[::-1])  # a prefix's head newest
 
     def remove(self, key: OffloadKey) -> None:
         for segment in (self._window, self._probation, self._protected):
-            if segment.pop(key, None) is not None:
+            if segment.remove(key):
                 return
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        increment = self.sketch.increment
-        window, probation, protected = self._window, self._probation, self._protected
-        for key in reversed(keys):
-            increment(key)
-            if key in window:
-                window.move_to_end(key)
-            elif key in protected:
-                protected.move_to_end(key)
-            elif key in probation:
-                protected[key] = probation.pop(key)
-                if len(protected) > self.protected_target:
-                    self._demote()
-
-    def _demote(self) -> None:
-        old, status = self._protected.popitem(last=False)
-        self._probation[old] = status
+        wtinylfu_touch(
+            self._window, self._probation, self._protected, self.sketch, keys, self.protected_target
+        )
 
     def clear(self) -> None:
         for segment in (self._window, self._probation, self._protected):
@@ -97,39 +87,99 @@ class WTinyLFUPolicy(CachePolicy):
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        window = self._window
-        if n > len(window) + len(self._probation) + len(self._protected):
+        if n > len(self._window) + len(self._probation) + len(self._protected):
             return None
-        victims: list[tuple[OffloadKey, BlockStatus, _Segment]] = []
-        main_share = self.capacity - self.window_target
-        while len(victims) < n:
-            candidate = first_evictable(window, protected) if len(window) > self.window_target else None
-            if candidate is not None and len(self._probation) + len(self._protected) < main_share:
-                # The main area has room (the cache is filling up): no duel needed.
-                self._probation[candidate] = window.pop(candidate)
-                continue
-            main_victim, segment = self._main_victim(protected)
-            if candidate is not None and main_victim is not None:
-                estimate = self.sketch.estimate
-                if estimate(candidate) > estimate(main_victim):
-                    victims.append((main_victim, segment.pop(main_victim), segment))
-                    self._probation[candidate] = window.pop(candidate)
-                else:
-                    victims.append((candidate, window.pop(candidate), window))
-            elif main_victim is not None:
-                victims.append((main_victim, segment.pop(main_victim), segment))
-            else:
-                candidate = candidate or first_evictable(window, protected)
-                if candidate is None:
-                    for key, status, seg in reversed(victims):
-                        seg[key] = status
-                        seg.move_to_end(key, last=False)
-                    return None
-                victims.append((candidate, window.pop(candidate), window))
-        return [key for key, _, _ in victims]
+        return wtinylfu_evict(
+            self._window,
+            self._probation,
+            self._protected,
+            self.sketch,
+            n,
+            protected,
+            self.window_target,
+            self.capacity - self.window_target,
+        )
 
-    def _main_victim(self, protected: Collection[OffloadKey]) -> tuple[OffloadKey | None, _Segment]:
-        key = first_evictable(self._probation, protected)
-        if key is not None:
-            return key, self._probation
-        return first_evictable(self._protected, protected), self._protected
+
+# -- the per-key paths (C versions replace them where built) ---------------------------
+
+
+def wtinylfu_touch(
+    window: Order,
+    probation: Order,
+    protected: Order,
+    sketch: FrequencySketch,
+    keys: Sequence[OffloadKey],
+    protected_target: int,
+) -> None:
+    """Walking ``keys`` backwards: count each in ``sketch``; a window or protected key to its
+    segment's recent end, a probation key to protected's (its overflow, oldest first, back
+    to probation's recent end)."""
+    increment = sketch.increment
+    win, prob, prot = window.table, probation.table, protected.table
+    for key in reversed(keys):
+        increment(key)
+        if key in win:
+            win.move_to_end(key)
+        elif key in prot:
+            prot.move_to_end(key)
+        elif key in prob:
+            prot[key] = prob.pop(key)
+            if len(prot) > protected_target:
+                old, status = prot.popitem(last=False)
+                prob[old] = status
+
+
+def wtinylfu_evict(
+    window_order: Order,
+    probation_order: Order,
+    protected_order: Order,
+    sketch: FrequencySketch,
+    n: int,
+    protected: Collection[OffloadKey],
+    window_target: int,
+    main_share: int,
+) -> list[OffloadKey] | None:
+    """``n`` victims chosen one at a time as the module docstring says, or ``None`` with
+    each chosen one back in its place (candidates admitted to probation stay there)."""
+    window, probation, main_protected = window_order.table, probation_order.table, protected_order.table
+    victims: list[tuple[OffloadKey, BlockStatus, dict]] = []
+    while len(victims) < n:
+        candidate = first_evictable(window, protected) if len(window) > window_target else None
+        if candidate is not None and len(probation) + len(main_protected) < main_share:
+            # The main area has room (the cache is filling up): no duel needed.
+            probation[candidate] = window.pop(candidate)
+            continue
+        segment = probation
+        main_victim = first_evictable(probation, protected)
+        if main_victim is None:
+            segment = main_protected
+            main_victim = first_evictable(main_protected, protected)
+        if candidate is not None and main_victim is not None:
+            if sketch.estimate(candidate) > sketch.estimate(main_victim):
+                victims.append((main_victim, segment.pop(main_victim), segment))
+                probation[candidate] = window.pop(candidate)
+            else:
+                victims.append((candidate, window.pop(candidate), window))
+        elif main_victim is not None:
+            victims.append((main_victim, segment.pop(main_victim), segment))
+        else:
+            candidate = candidate if candidate is not None else first_evictable(window, protected)
+            if candidate is None:
+                for key, status, seg in reversed(victims):
+                    seg[key] = status
+                    seg.move_to_end(key, last=False)
+                return None
+            victims.append((candidate, window.pop(candidate), window))
+    return [key for key, _, _ in victims]
+
+
+# The Python versions, kept where the C ones replace them (tests compare the two).
+PYTHON_VERSIONS = {
+    "wtinylfu_touch": wtinylfu_touch,
+    "wtinylfu_evict": wtinylfu_evict,
+    "FrequencySketch": _SKETCH_PYTHON["FrequencySketch"],
+}
+
+if NATIVE:
+    from kvoffload.policies._blocks import wtinylfu_evict, wtinylfu_touch  # type: ignore[no-redef] # noqa: E402,F811
