@@ -83,7 +83,8 @@ class Timeline:
                 self._finish(worker, lambda r: "load finished" if r.direction == "load" else None)
             elif kind == "FSWorker":
                 self.wrap(worker, "_prepare", lambda job: None if job.store else "promotion started")
-                self.wrap(worker, "_load_run", lambda job, run: f"disk read {len(run)}")
+                # the movers hold their bound _load_run from the start: stamp the files' read
+                self.wrap(worker.files, "read_run", lambda first, keys, blocks: f"disk read {len(keys)}")
                 self._finish(worker, lambda r: "promotion finished" if r.direction == "disk_load" else None)
             elif kind == "RedisWorker":
                 self.wrap(worker, "_load", lambda ids, keys: f"redis read {len(ids)}")

@@ -10,12 +10,12 @@ is *divisible*: a run of consecutive positions within one KV-cache group is a lo
 own (the same group, ``block_indices`` moved to the run's first position), so the blocks
 already in host memory, and those a promotion reports written before it ends, can be
 copied while the rest is still read (the blocks there at submission at once, then runs
-of at least a ``MAX_PIECES``-th of the load, and the rest when the promotion ended). Any
-other load is started whole once every block arrived. A piece is never started before
-all of its host blocks arrived, nor after a promotion the load reads from failed; the
-load's one result (``result_fields``) is posted once every piece started has finished:
-failed if a promotion or a piece failed (the device blocks are then unspecified), else
-successful with the bytes of all pieces.
+of at least a ``MAX_PIECES``-th of the load, one piece at a time, and the rest when the
+promotion ended). Any other load is started whole once every block arrived. A piece is
+never started before all of its host blocks arrived, nor after a promotion the load reads
+from failed; the load's one result (``result_fields``) is posted once every piece started
+has finished: failed if a promotion or a piece failed (the device blocks are then
+unspecified), else successful with the bytes of all pieces.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from kvoffload.specs import MEDIUM_CPU, MEDIUM_DEVICE, CPULoadStoreSpec, DeviceL
 # the blocks there at submission and the last ones): each is a job of the load's worker
 # (planning, a hand-off to its thread), which on a busy host costs more than the overlap
 # gains once pieces are small (bench_tier_ttft, 2 shared cores: a 62-block disk hit's
-# load in 13 pieces put its KV in place at 32 ms where one job took 18-23 ms).
-MAX_PIECES = 2
+# load in 13 pieces put its KV in place at 32 ms where one job took 18-23 ms). A quarter
+# matches the disk tier's native read runs (~4 MiB: a 62-block hit is 4 runs), so each
+# run's copy can start while the next ones are read.
+MAX_PIECES = 4
 
 
 class HeldLoad:
@@ -94,9 +96,12 @@ class HeldLoad:
     def ready_pieces(self) -> Iterator[tuple[CPULoadStoreSpec, DeviceLoadStoreSpec]]:
         """The pieces that can start now (each run of consecutive positions in one group
         whose host blocks all arrived, of at least ``min_piece`` positions unless they are
-        the last ones), marked started. Nothing once a promotion failed."""
+        the last ones), marked started. While a piece of it runs, only the last ones: the
+        blocks that arrive meanwhile start together once it finished, so a busy host copies
+        in fewer, larger pieces. Nothing once a promotion failed."""
         if self.error is not None or self._groups is None:
             return
+        at_submission, self._asked = not self._asked, True
         waiting = self.waiting
         ready = self._pending.copy()
         if waiting:
@@ -110,8 +115,10 @@ class HeldLoad:
         # cut where positions stop being consecutive or the group changes
         cuts = np.flatnonzero((np.diff(positions) != 1) | (np.diff(groups[positions]) != 0)) + 1
         # the blocks there at submission, and the last ones, go whatever their count
-        any_size = not self._asked or len(positions) == int(self._pending.sum())
-        self._asked = True
+        final = len(positions) == int(self._pending.sum())
+        if self.pieces and not final:
+            return  # one piece at a time: what arrives while it copies goes next, as one
+        any_size = at_submission or final
         for run in np.split(positions, cuts):
             if len(run) < self.min_piece and not any_size:
                 continue  # a piece costs a job of its own: wait until it grew

@@ -258,12 +258,13 @@ class WorkerRouter(OffloadingWorker):
 
     def _apply_news(self) -> None:
         """Blocks that promotions reported written start the pieces that read them; a
-        promotion that ended is gathered from its worker."""
+        promotion that ended, and a held job's piece (the blocks that arrived while it ran
+        go next), are gathered from their workers."""
         if not self._news:
             return
         with self._news_ready:
             news, self._news = self._news, []
-        ended = {}
+        ended = {id(h.worker): h.worker for h in self._held.values() if h.pieces}
         for writer, blocks in news:
             if writer not in self._writes:
                 continue  # not a promotion, or one already gathered

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from kvoffload import held_loads
 from kvoffload.specs import CPULoadStoreSpec, DeviceLoadStoreSpec, DiskLoadStoreSpec
 from kvoffload.tiers.fs.format import DATA_FILE
 from kvoffload.tiers.fs.worker import FSWorker
@@ -94,7 +95,8 @@ def holds(layout, block, value) -> bool:
     return bool((layout.tensors[0][block].view(torch.uint8) == value).all())
 
 
-def test_pieces_start_as_their_blocks_arrive_and_one_result_comes_at_the_end(setup):
+def test_pieces_start_as_their_blocks_arrive_and_one_result_comes_at_the_end(setup, monkeypatch):
+    monkeypatch.setattr(held_loads, "MAX_PIECES", 2)  # a 4-block load's pieces: 2 blocks at least
     layout, pool, engine, shelf, router = setup
     pool.tensors[0][0].fill_(4)  # host block 0: in host memory already
     for slot, value in ((9, 7), (10, 8), (11, 9)):
@@ -102,6 +104,7 @@ def test_pieces_start_as_their_blocks_arrive_and_one_result_comes_at_the_end(set
     router.submit(1, ShelfSpec([9, 10, 11]), CPULoadStoreSpec([3, 4, 5]))
     router.submit(2, CPULoadStoreSpec([0, 3, 4, 5]), device_spec([1, 2, 5, 6]))
     assert list(engine.given.values()) == [[0]]  # the resident block, at once
+    engine.wait(list(engine.given), TIMEOUT)  # its piece done: the next one may start
     shelf.go[0].set()
     shelf.told[0].wait(TIMEOUT)
     assert router.poll() == [] and len(engine.given) == 1  # one block: too small a piece alone
@@ -118,6 +121,60 @@ def test_pieces_start_as_their_blocks_arrive_and_one_result_comes_at_the_end(set
     assert sorted(results) == [1, 2] and results[1].success and results[2].success
     assert results[2].bytes == 4 * layout.group_page_bytes(0)  # every piece's bytes
     assert [h for ids in engine.given.values() for h in ids] == [0, 3, 4, 5]  # each block once
+
+
+def test_blocks_that_arrive_while_a_piece_copies_start_next_as_one_piece(setup, monkeypatch):
+    monkeypatch.setattr(held_loads, "MAX_PIECES", 4)  # a 4-block load: any block is a piece
+    layout, pool, engine, shelf, router = setup
+    gate = threading.Event()  # holds the engine's copies until set
+    launch = engine._executor.launch
+
+    def gated(*args, **kwargs):
+        gate.wait(TIMEOUT)
+        return launch(*args, **kwargs)
+
+    engine._executor.launch = gated
+    pool.tensors[0][0].fill_(4)
+    for slot, value in ((9, 7), (10, 8), (11, 9)):
+        fill_slot(pool, shelf, slot, value)
+    router.submit(1, ShelfSpec([9, 10, 11]), CPULoadStoreSpec([3, 4, 5]))
+    router.submit(2, CPULoadStoreSpec([0, 3, 4, 5]), device_spec([1, 2, 5, 6]))
+    try:
+        assert list(engine.given.values()) == [[0]]  # the resident block, copying (held at the gate)
+        for i in (0, 1):
+            shelf.go[i].set()
+            shelf.told[i].wait(TIMEOUT)
+            assert router.poll() == [] and len(engine.given) == 1  # host blocks 3, 4 wait for it
+    finally:
+        gate.set()
+    engine.wait(list(engine.given), TIMEOUT)
+    assert router.poll() == []
+    assert list(engine.given.values()) == [[0], [3, 4]]  # what arrived meanwhile: one piece
+    shelf.go[2].set()
+    router.wait([2], TIMEOUT)
+    assert {r.job_id: r.success for r in router.poll()} == {1: True, 2: True}
+    assert list(engine.given.values()) == [[0], [3, 4], [5]]
+    assert holds(layout, 1, 4) and holds(layout, 2, 7) and holds(layout, 5, 8) and holds(layout, 6, 9)
+
+
+def test_without_resident_blocks_the_first_block_to_arrive_waits_for_a_piece_of_its_size(setup, monkeypatch):
+    monkeypatch.setattr(held_loads, "MAX_PIECES", 2)  # a 3-block load's pieces: 2 blocks at least
+    layout, pool, engine, shelf, router = setup
+    for slot, value in ((9, 7), (10, 8), (11, 9)):
+        fill_slot(pool, shelf, slot, value)
+    router.submit(1, ShelfSpec([9, 10, 11]), CPULoadStoreSpec([3, 4, 5]))
+    router.submit(2, CPULoadStoreSpec([3, 4, 5]), device_spec([2, 5, 6]))
+    assert engine.given == {}  # nothing resident: nothing at submission
+    shelf.go[0].set()
+    shelf.told[0].wait(TIMEOUT)
+    assert router.poll() == [] and engine.given == {}  # one block: below a piece's size
+    shelf.go[1].set()
+    shelf.told[1].wait(TIMEOUT)
+    assert router.poll() == [] and list(engine.given.values()) == [[3, 4]]
+    shelf.go[2].set()
+    router.wait([2], TIMEOUT)
+    assert {r.job_id: r.success for r in router.poll()} == {1: True, 2: True}
+    assert holds(layout, 2, 7) and holds(layout, 5, 8) and holds(layout, 6, 9)
 
 
 def test_a_failed_promotion_block_fails_the_load_and_its_piece_never_runs(setup):

@@ -5,7 +5,8 @@
 * ``fs_namespace``, ``namespace_identity``, ``layout_identity`` (``namespace``): the
   directory that keeps engines with other byte layouts apart.
 * ``format``: files, slot geometry and header records; ``block_io``: the crash-safe
-  write/read protocol; ``scan``: the index rebuild; ``index``/``order``: compact index
+  write/read protocol (its runs read and checked without the GIL by the ``_runread``
+  extension); ``scan``: the index rebuild; ``index``/``order``: compact index
   and eviction order; ``space``: reserved file space; ``floor``: the free-space floor;
   ``direct``: ``O_DIRECT`` reads; ``tier``: the ``"fs"`` entry of ``secondary_tiers``.
 

@@ -18,8 +18,10 @@ between them and caller-owned buffers (the host pool's rows), without a copy:
   into ``buffers`` (from the page cache where it holds them, else with ``O_DIRECT`` when
   the caller's buffers are aligned: ``kvoffload.tiers.fs.direct``), check its CRC. Any
   mismatch raises ``CorruptBlock`` naming the key and the reason; the caller must then
-  treat ``buffers`` as garbage. ``read_run``: the same for consecutive slots, one record
-  read and one ``preadv`` (per ``IOV_MAX``).
+  treat ``buffers`` as garbage. ``read_run``: the same for consecutive slots: with the
+  ``_runread`` extension, one call without the GIL (the records in one read, then each
+  payload read and checked while it is in the CPU cache; ``native_reads()`` says whether
+  it was built), else one record read and one ``preadv`` (per ``IOV_MAX``), then the CRCs.
 * ``consecutive_runs(slots, limit)``: a job's slots cut into the runs those calls take.
 * ``invalidate(slot)``: zero the record (the block is gone; its bytes are overwritten
   when the slot is reused).
@@ -31,6 +33,7 @@ Thread-safe for distinct slots (positional I/O on shared descriptors).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 from collections.abc import Sequence
@@ -40,15 +43,24 @@ from kvoffload.tiers.fs.direct import PayloadReader
 from kvoffload.tiers.fs.format import (
     DATA_FILE,
     EMPTY_RECORD,
+    FORMAT_VERSION,
     HEADER_FILE,
     RECORD_BYTES,
     Geometry,
+    Record,
     RecordError,
     checksum,
     pack_record,
     parse_record,
 )
 from kvoffload.tiers.fs.vectored import pwritev_all
+
+try:  # the payload reads and checks without the GIL (optional: else the same in Python)
+    from kvoffload.tiers.fs import _runread
+except ImportError:  # pragma: no cover - built without a C compiler
+    _runread = None
+
+_SHORT, _OS_ERROR, _RECORD = 1, 3, 4  # _runread.read_run's statuses
 
 
 class CorruptBlock(Exception):
@@ -124,26 +136,20 @@ class BlockFiles:
 
     def read_run(self, first: int, keys: Sequence[bytes], blocks: Sequence[Sequence]) -> None:
         """Read slots ``first ..`` into ``blocks[i]`` (its buffers) and check each against
-        ``keys[i]``: the records in one read, the payloads in as few ``preadv`` calls as
-        ``IOV_MAX`` allows. ``CorruptBlock`` names the first block that does not check out
-        (``blocks`` are then garbage)."""
+        ``keys[i]``. ``CorruptBlock`` names the first block that does not check out
+        (``blocks`` are then garbage; those before it were read and checked).
+
+        With ``_runread`` built, one call without the GIL per run: the records in one read,
+        then each block's payload read and its CRC computed while it is in the CPU cache.
+        Else the records in one read and the payloads in as few ``preadv`` calls as
+        ``IOV_MAX`` allows, checked after."""
+        if _runread is not None:
+            self._read_native(first, keys, blocks)
+            return
         n = len(keys)
         raw = os.pread(self.header_fd, RECORD_BYTES * n, first * RECORD_BYTES)
-        records = []
-        for i, key in enumerate(keys):
-            slot = first + i
-            try:
-                record = parse_record(raw[i * RECORD_BYTES : (i + 1) * RECORD_BYTES])
-            except RecordError as exc:
-                raise CorruptBlock(key, slot, str(exc)) from None
-            if record.digest != self.digest:
-                raise CorruptBlock(key, slot, "written under another namespace")
-            if record.key != key:
-                raise CorruptBlock(key, slot, f"slot holds key {record.key.hex()} instead")
-            if record.payload_len != self.geometry.payload_bytes:
-                expected = self.geometry.payload_bytes
-                raise CorruptBlock(key, slot, f"payload of {record.payload_len} bytes, expected {expected}")
-            records.append(record)
+        records = [self._record(raw[i * RECORD_BYTES : (i + 1) * RECORD_BYTES], key, first + i)
+                   for i, key in enumerate(keys)]  # fmt: skip
         gap = self.geometry.slot_stride - self.geometry.payload_bytes
         scratch = memoryview(bytearray(gap)) if gap and n > 1 else None
         length = (n - 1) * self.geometry.slot_stride + self.geometry.payload_bytes
@@ -155,9 +161,49 @@ class BlockFiles:
                 raise CorruptBlock(key, first + i, f"truncated: read {have} of {payload} payload bytes")
             crc = checksum(blocks[i])
             if crc != record.payload_crc:
-                raise CorruptBlock(
-                    key, first + i, f"checksum mismatch (stored {record.payload_crc:#010x}, read {crc:#010x})"
-                )
+                raise CorruptBlock(key, first + i, _mismatch(record.payload_crc, crc))
+
+    def _record(self, raw: bytes, key: bytes, slot: int) -> Record:
+        """The record ``raw`` of ``slot`` if it is valid for ``key``, else ``CorruptBlock`` saying why."""
+        try:
+            record = parse_record(raw)
+        except RecordError as exc:
+            raise CorruptBlock(key, slot, str(exc)) from None
+        if record.digest != self.digest:
+            raise CorruptBlock(key, slot, "written under another namespace")
+        if record.key != key:
+            raise CorruptBlock(key, slot, f"slot holds key {record.key.hex()} instead")
+        if record.payload_len != self.geometry.payload_bytes:
+            expected = self.geometry.payload_bytes
+            raise CorruptBlock(key, slot, f"payload of {record.payload_len} bytes, expected {expected}")
+        return record
+
+    def _read_native(self, first: int, keys: Sequence[bytes], blocks: Sequence[Sequence]) -> None:
+        geometry = self.geometry
+        stride, offset, payload = geometry.slot_stride, geometry.data_offset(first), geometry.payload_bytes
+        fd = self.reader.descriptor(offset, (len(keys) - 1) * stride + payload)
+        done = 0
+        while True:
+            n, status, value = _runread.read_run(
+                self.header_fd, fd, first + done, keys[done:], blocks[done:], self.digest, FORMAT_VERSION,
+                payload, offset + done * stride, stride,
+            )  # fmt: skip
+            done += n
+            if status == 0:
+                return
+            if status == _OS_ERROR and value == errno.EINVAL and fd == self.reader.direct_fd:
+                fd = self.reader.refused(fd)  # go on through the page cache
+                continue
+            if status == _OS_ERROR:
+                raise OSError(value, os.strerror(value))
+            key, slot = keys[done], first + done
+            if status == _SHORT:
+                raise CorruptBlock(key, slot, f"truncated: read {value} of {payload} payload bytes")
+            # the record again, in Python: CorruptBlock saying why when it is the bad part
+            stored = self._record(os.pread(self.header_fd, RECORD_BYTES, slot * RECORD_BYTES), key, slot)
+            if status == _RECORD:  # valid now: rewritten since the run read it
+                raise CorruptBlock(key, slot, "header record changed while it was read")
+            raise CorruptBlock(key, slot, _mismatch(stored.payload_crc, value))
 
     def prefetch_records(self, first: int, last: int) -> None:
         """Start reading the records of slots ``first..last`` into the page cache, so that
@@ -177,6 +223,15 @@ class BlockFiles:
             if fd >= 0:
                 os.close(fd)
         self.data_fd = self.header_fd = -1
+
+
+def native_reads() -> bool:
+    """Whether ``read_run`` reads and checks in C (``_runread`` was built)."""
+    return _runread is not None
+
+
+def _mismatch(stored: int, read: int) -> str:
+    return f"checksum mismatch (stored {stored:#010x}, read {read:#010x})"
 
 
 def consecutive_runs(slots: list[int], limit: int) -> list[range]:

@@ -12,6 +12,9 @@ a miss it starts the readahead of the range it then declines to wait for.
 
 Contract: ``read(buffers, offset, length)`` fills ``buffers`` (byte views, ``length``
 bytes in all, at file ``offset``) and returns the bytes read (fewer only at end of file).
+``descriptor(offset, length)`` only makes the choice, for a caller that reads the range
+itself (``block_io``'s native reads), and ``refused(fd)`` takes a direct descriptor the
+file system would not read through back to the page cache.
 The caller promises, by building the reader with ``direct=True``, that every buffer's
 address and length is a multiple of ``DIRECT_ALIGN``; the reader goes past the page cache
 only where the file offset is one too. Without ``cachestat`` or ``O_DIRECT`` (older
@@ -87,19 +90,35 @@ class PayloadReader:
         self.direct_reads = 0  # reads that went past the page cache
 
     def read(self, buffers: list, offset: int, length: int) -> int:
+        fd = self.descriptor(offset, length) if len(buffers) <= IOV_MAX else self._cached_fd
+        if fd == self.direct_fd:
+            try:
+                return preadv_all(fd, buffers, offset, length)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.refused(fd)
+        return preadv_all(self._cached_fd, buffers, offset, length)
+
+    def descriptor(self, offset: int, length: int) -> int:
+        """The descriptor to read ``length`` bytes at ``offset`` through (the direct one is
+        counted in ``direct_reads``): the caller reads the range's buffers at the file offsets
+        they map to, and hands a direct descriptor that fails with ``EINVAL`` to ``refused``."""
         fd = self.direct_fd
-        if fd >= 0 and not offset % DIRECT_ALIGN and len(buffers) <= IOV_MAX:
+        if fd >= 0 and not offset % DIRECT_ALIGN:
             state = cache_state(self._cached_fd, offset, length)
             if state is not None and state[1] == 0 and state[0] * 2 * _PAGE < length:
                 with self._lock:
                     self.direct_reads += 1
-                try:
-                    return preadv_all(fd, buffers, offset, length)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    self._disable()  # the file system took the open but not the read
-        return preadv_all(self._cached_fd, buffers, offset, length)
+                return fd
+        return self._cached_fd
+
+    def refused(self, fd: int) -> int:
+        """The file system took the direct open of ``fd`` but not a read: read through the page
+        cache from now on. The descriptor to read with instead."""
+        if fd == self.direct_fd:
+            self._disable()
+        return self._cached_fd
 
     def _disable(self) -> None:
         fd, self.direct_fd = self.direct_fd, -1

@@ -20,11 +20,11 @@ Contract, beyond ``kvoffload.worker``:
 * Jobs of one direction complete in submission order. The blocks of a job are taken in
   slot order (the order in a job does not matter; a full tier's manager hands out evicted
   slots last-freed first, i.e. descending) and cut into runs of consecutive slots, up to
-  ~1 MiB each, that move in one batch each (``BlockFiles.write_run``/``read_run``: three
-  syscalls per run rather than three per block). The direction's threads
-  (``load_threads``/``store_threads``) take runs from one queue in submission order, so
-  the next job's runs start while a job's last ones finish: no thread waits at a job's
-  end. Loads and stores overlap.
+  ~1 MiB each (a load's ~4 MiB with native reads), that move in one batch each
+  (``BlockFiles.write_run``/``read_run``: three syscalls per run, not per block). The
+  direction's threads (``load_threads``/``store_threads``) take runs from one queue in
+  submission order, so the next job's runs start while a job's last ones finish: no
+  thread waits at a job's end. Loads and stores overlap.
 * A job fails as a whole (``success=False``, ``bytes=0``, ``error`` naming the first
   failing key or the condition); the caller must not make its blocks loadable. A failed
   store leaves each slot either empty or intact. A failed load leaves its host rows
@@ -40,7 +40,9 @@ Contract, beyond ``kvoffload.worker``:
   nothing raises out of ``submit`` or ``poll`` for them, and later jobs are tried as usual
   (the worker recovers when the file system does).
 * Progress (``reports_progress``): each run of a load whose blocks were all read and
-  checked is reported with its host blocks, and the job once its result can be polled.
+  checked (records, keys, CRCs) is reported with its host blocks as it finishes, and the
+  job once its result can be polled. A failed run is never reported; the job's runs not
+  started then are skipped (running ones may still be reported: each is checked whole).
 * ``counters()`` snapshots ``FSWorkerCounters``. ``close()`` lets queued jobs finish, then
   closes the files; idempotent.
 """
@@ -60,7 +62,7 @@ import numpy as np
 
 from kvoffload.counters import Counters
 from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, CPULoadStoreSpec, DiskLoadStoreSpec, LoadStoreSpec
-from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock, consecutive_runs
+from kvoffload.tiers.fs.block_io import BlockFiles, CorruptBlock, consecutive_runs, native_reads
 from kvoffload.tiers.fs.direct import DIRECT_ALIGN
 from kvoffload.tiers.fs.floor import FloorDeclined, check_floor, check_floor_settings, floor_bytes
 from kvoffload.tiers.fs.format import MAX_KEY_BYTES, Geometry
@@ -80,6 +82,11 @@ STORE_THREADS = 2
 LOAD_THREADS = 4
 
 RUN_BYTES = 1 << 20
+# A load's runs with native reads (one call without the GIL each, every block checked in
+# cache): longer runs cost the engine's thread fewer GIL hand-backs while it prepares a
+# step beside a promotion; shorter ones let a chained load copy a reported run while the
+# next ones are read (bench_tier_ttft: a 62-block disk hit is then 4 runs).
+NATIVE_LOAD_RUN_BYTES = 4 << 20
 STORE = "disk_store"  # host -> disk
 LOAD = "disk_load"  # disk -> host
 _DIRECTIONS: dict[Route, str] = {(MEDIUM_CPU, MEDIUM_DISK): STORE, (MEDIUM_DISK, MEDIUM_CPU): LOAD}
@@ -172,9 +179,9 @@ class FSWorker(OffloadingWorker):
             raise ValueError(f"root_dir {os.fspath(root_dir)!r} cannot be written: {exc}") from None
         self.space = SlotSpace(self.files.data_fd, self.geometry.slot_stride, self.num_slots)
         self.free_floor = floor_bytes(self.path, min_free_fraction, min_free_bytes)
-        # Runs batch consecutive slots up to ~1 MiB: longer ones lose the cache (a run's
-        # CRCs are computed before its write, and after its read), measured in bench_disk.
-        self._run_blocks = max(1, RUN_BYTES // payload)
+        # Runs of ~1 MiB: longer ones lose the cache (CRCs after a whole run; not native reads')
+        load_run = NATIVE_LOAD_RUN_BYTES if native_reads() else RUN_BYTES
+        self._run_blocks = {STORE: max(1, RUN_BYTES // payload), LOAD: max(1, load_run // payload)}
         self._counters = FSWorkerCounters()
         self._jobs = JobBook()
         self._lock = self._jobs.lock  # also guards the counters
@@ -274,7 +281,7 @@ class FSWorker(OffloadingWorker):
             self._check_floor(job)
         elif job.slots[-1] - job.slots[0] < 4 * count:  # dense enough to read every record
             self.files.prefetch_records(job.slots[0], job.slots[-1])
-        return consecutive_runs(job.slots, self._run_blocks)
+        return consecutive_runs(job.slots, self._run_blocks[STORE if job.store else LOAD])
 
     def _move(self, direction: str) -> None:
         """One of the direction's threads: moves runs until the dispatcher says stop."""
