@@ -9,7 +9,7 @@ records what a key's ``BlockStored`` will say.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvoffload.events.types import KVEvent
 from kvoffload.keys import BlockHasher, OffloadKey
@@ -38,13 +38,17 @@ class SchedulerBase:
         store_threshold_memory: int = DEFAULT_MEMORY,
         block_extra_keys: BlockExtraKeys | None = None,
         offload_prompt_only: bool = False,
+        event_classes: Mapping[type, type] | None = None,
     ) -> None:
         """``store_threshold``: requests that must ask for a block before it is stored
         (1 = store every block); ``store_threshold_memory``: keys whose count is kept;
         ``block_extra_keys(request, start, end)``: what besides tokens the engine hashes
         into the block ``[start, end)`` (salt, adapter, multimodal items, in
         ``kvoffload.keys`` tagged form); default ``view_extra_keys``;
-        ``offload_prompt_only``: store blocks of prompt tokens only, not those generated."""
+        ``offload_prompt_only``: store blocks of prompt tokens only, not those generated;
+        ``event_classes``: what ``take_events`` builds instead of ``BlockStored``,
+        ``BlockRemoved`` and ``AllBlocksCleared`` (an engine's own types, taking the same
+        fields positionally: no conversion per event)."""
         if not groups:
             raise ValueError("at least one KV-cache group is needed")
         positive_int("blocks_per_offload_block", blocks_per_offload_block)
@@ -79,7 +83,7 @@ class SchedulerBase:
         self._blocks = BlockKeys(
             self._tokens, hash_block_size, hasher or BlockHasher(), self._extra_keys, null_block_id
         )
-        self._events = EventConverter(groups, blocks_per_offload_block, kv_events)
+        self._events = EventConverter(groups, blocks_per_offload_block, kv_events, classes=event_classes)
         self._wire_events: list[KVEvent] = []
         self._requests: dict[str, RequestState] = {}
         self._jobs: dict[int, Job] = {}

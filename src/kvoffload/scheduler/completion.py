@@ -50,8 +50,9 @@ class Completion(SchedulerBase):
                 parts = job.parts if job.parts is not None else [(job.req_id, job.keys)]
                 if success:
                     self.stats.blocks_stored += len(job.keys)
+                    requests = self._requests
                     for req_id, keys in parts:
-                        owner = self._requests.get(req_id)
+                        owner = requests.get(req_id)
                         if owner is not None:
                             owner.inserted.update(keys)
                 else:
@@ -71,8 +72,13 @@ class Completion(SchedulerBase):
                     if state is not None:
                         state.load_failed = True
             if job.parts is not None:
+                requests = self._requests
                 for req_id, _ in job.parts:
-                    self._job_ended(req_id, job_id)
+                    state = requests.get(req_id)
+                    if state is not None:
+                        state.jobs.discard(job_id)
+                        if state.finished and not state.jobs:
+                            self._job_ended(req_id, job_id)
             elif state is not None:
                 self._job_ended(job.req_id, job_id)
 
@@ -123,7 +129,8 @@ class Completion(SchedulerBase):
     # -- events and reset ----------------------------------------------------------------
 
     def take_events(self) -> list[KVEvent]:
-        """Wire events (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``) since the last call."""
+        """Wire events (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``, or the
+        ``event_classes`` given for them) since the last call."""
         events = self._wire_events + self._events.convert(self.manager.take_events())
         self._wire_events = []
         return events

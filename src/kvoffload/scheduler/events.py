@@ -30,7 +30,7 @@ with ``ownership="mooncake"``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -67,7 +67,10 @@ class EventConverter:
         blocks_per_offload_block: int,
         mode: str = "self_describing",
         primary_medium: str = "CPU",
+        classes: Mapping[type, type] | None = None,
     ):
+        """``classes``: the types to build instead of ``BlockStored``, ``BlockRemoved`` and
+        ``AllBlocksCleared`` (an engine's own, taking the same fields positionally)."""
         if mode not in EVENT_MODES:
             raise ValueError(f"kv_events must be one of {EVENT_MODES}, got {mode!r}")
         self.mode = mode
@@ -75,6 +78,10 @@ class EventConverter:
         self._groups = list(groups)
         self._factor = blocks_per_offload_block
         self._pending: dict[OffloadKey, _Record] = {}
+        classes = classes or {}
+        self._stored_type = classes.get(BlockStored, BlockStored)
+        self._removed_type = classes.get(BlockRemoved, BlockRemoved)
+        self._cleared_type = classes.get(AllBlocksCleared, AllBlocksCleared)
 
     def remember(
         self,
@@ -89,6 +96,10 @@ class EventConverter:
         tokens are ``tokens[start:end]``, a range the engine never rewrites, and
         ``extra_keys`` (tagged, as hashed) the rest of what its hash covers."""
         self._pending[key] = (parent_hash, tokens, start, end, extra_keys)
+
+    def remember_all(self, keys: Sequence[OffloadKey], records: Sequence[_Record]) -> None:
+        """``remember`` of each key, its arguments as one tuple each, in one call."""
+        self._pending.update(zip(keys, records))
 
     def knows(self, key: OffloadKey) -> bool:
         return key in self._pending
@@ -111,7 +122,7 @@ class EventConverter:
         return out
 
     def cleared(self) -> AllBlocksCleared:
-        return AllBlocksCleared()
+        return self._cleared_type()
 
     def _removed(self, event: OffloadingEvent) -> list[BlockRemoved]:
         if event.medium == self.primary_medium:
@@ -123,33 +134,31 @@ class EventConverter:
         for key in event.keys:
             group, block_hash = _split(key)
             by_group.setdefault(group, []).append(external_hash(block_hash))
-        return [
-            BlockRemoved(hashes, medium, group_idx=group, locality=locality, ownership=ownership)
-            for group, hashes in by_group.items()
-        ]
+        removed = self._removed_type
+        return [removed(hashes, medium, group, locality, ownership) for group, hashes in by_group.items()]
 
     def _stored(self, event: OffloadingEvent) -> list[BlockStored]:
         out: list[BlockStored] = []
         run: list[tuple[bytes, tuple]] = []
-        run_group = -1
+        run_group = b""  # the group suffix of the run's keys
         pending = self._pending
         wire = WIRE_TIERS.get(event.medium, (event.medium, None, None))
         for key in event.keys:
-            group, block_hash = _split(key)
+            group = key[-GROUP_BYTES:]
+            block_hash = key[:-GROUP_BYTES]
             info = pending.get(key, _UNKNOWN)
             # a run continues with the next block of a chain (its parent is the previous
             # block), or with another block of no record (announced as placeholders)
-            if info is _UNKNOWN:
-                chained = run and group == run_group and run[-1][1] is _UNKNOWN
-            else:
-                chained = run and group == run_group and info[0] == run[-1][0]
-            if run and not chained:
-                out.append(self._stored_event(run, run_group, wire))
+            if run and (
+                group != run_group
+                or (run[-1][1] is not _UNKNOWN if info is _UNKNOWN else info[0] != run[-1][0])
+            ):
+                out.append(self._stored_event(run, int.from_bytes(run_group, "big"), wire))
                 run = []
             run.append((block_hash, info))
             run_group = group
         if run:
-            out.append(self._stored_event(run, run_group, wire))
+            out.append(self._stored_event(run, int.from_bytes(run_group, "big"), wire))
         return out
 
     def _stored_event(
@@ -157,37 +166,38 @@ class EventConverter:
     ) -> BlockStored:
         medium, locality, ownership = wire
         spec = self._groups[group] if group < len(self._groups) else None
-        hashes = [external_hash(h) for h, _ in run]
-        if self.mode == "placeholder" or spec is None or run[0][1] is _UNKNOWN:
-            return BlockStored(
-                hashes,
-                None,
-                [],
-                0,
-                None,
-                medium,
-                None,
-                group_idx=group,
-                locality=locality,
-                ownership=ownership,
+        # (``external_hash``: the low 64 bits of each hash)
+        hashes = [int.from_bytes(h[-8:], "big") for h, _ in run]
+        first = run[0][1]
+        if self.mode == "placeholder" or spec is None or first is _UNKNOWN:
+            return self._stored_type(
+                hashes, None, [], 0, None, medium, None, None, group, None, None, locality, ownership
             )
-        first_parent = run[0][1][0]
-        tokens = [t for _, info in run for t in info[1][info[2] : info[3]]]
-        extra = [event_extra_keys(info[4]) for _, info in run]
-        return BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=None if first_parent is None else external_hash(first_parent),
-            token_ids=tokens,
-            block_size=spec.block_size * self._factor,
-            lora_id=None,
-            medium=medium,
-            lora_name=_lora_name(run[0][1][4]),
-            extra_keys=extra if any(e is not None for e in extra) else None,
-            group_idx=group,
-            kv_cache_spec_kind=spec.kind,
-            kv_cache_spec_sliding_window=spec.sliding_window,
-            locality=locality,
-            ownership=ownership,
+        parent, token_ids, start, end, extra_keys = first
+        if len(run) == 1:
+            tokens = token_ids[start:end]
+            extra = None if extra_keys is None else [event_extra_keys(extra_keys)]
+        else:
+            tokens = []
+            for _, info in run:
+                tokens += info[1][info[2] : info[3]]
+            extra = [event_extra_keys(info[4]) for _, info in run]
+            if not any(e is not None for e in extra):
+                extra = None
+        return self._stored_type(
+            hashes,
+            None if parent is None else int.from_bytes(parent[-8:], "big"),
+            tokens if type(tokens) is list else list(tokens),
+            spec.block_size * self._factor,
+            None,
+            medium,
+            _lora_name(extra_keys),
+            extra,
+            group,
+            spec.kind,
+            spec.sliding_window,
+            locality,
+            ownership,
         )
 
 

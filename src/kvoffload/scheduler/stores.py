@@ -14,7 +14,9 @@ request (group-major), one ``TransferJob`` of them all (``req_id`` ``""`` when i
 blocks of several requests; the scheduler knows each request's part, and each request
 counts the job among its own). Where the tier cannot take them all at once, each request's
 blocks are reserved on their own, as a prefix (see ``_reserve``). A request with states
-(Mamba) gets its own job.
+(Mamba) gets its own job. Where the running requests that reached a block end are many and
+their blocks one group's, they are planned in one pass (``kvoffload.scheduler.running``),
+with exactly this outcome.
 
 A request that loaded blocks from the tier is not offered them for storing again: they
 are in the tier already (``RequestState.loaded_range``).
@@ -31,17 +33,10 @@ from itertools import compress, repeat
 from operator import ge, is_not
 
 from kvoffload.keys import OffloadKey
-from kvoffload.scheduler.base import SchedulerBase
 from kvoffload.scheduler.blocks import device_spec
+from kvoffload.scheduler.running import _NEVER, Flat, RunningStores, _one
 from kvoffload.scheduler.state import RequestState
 from kvoffload.scheduler.types import RunningRequests, StepPlan, StepRequest, TransferJob
-
-_NEVER = float("inf")
-
-
-def _one(block: int) -> list[int]:
-    return [block]
-
 
 # (group, offloaded block, key, device blocks)
 Candidate = tuple[int, int, OffloadKey, Sequence[int]]
@@ -49,7 +44,7 @@ Candidate = tuple[int, int, OffloadKey, Sequence[int]]
 Offer = tuple[str, RequestState, Sequence[bytes], list[Candidate]]
 
 
-class Stores(SchedulerBase):
+class Stores(RunningStores):
     """``build_step`` of the ``OffloadingScheduler``."""
 
     def build_step(
@@ -65,6 +60,7 @@ class Stores(SchedulerBase):
             plan.transfers.append(TransferJob(job_id, "", False, transfer.src_spec, transfer.dst_spec))
         offers: list[Offer] = []
         store_at = self._store_at
+        flat_group = self._flat_group()
         for step in scheduled:
             state = self._requests.get(step.req_id)
             if state is None:
@@ -89,8 +85,9 @@ class Stores(SchedulerBase):
             pairs = list(running)
             running = RunningRequests([p[0] for p in pairs], [p[1] for p in pairs])
         ids, computed = running.req_ids, running.computed
-        if running.new_block_ids is not None:
-            self._append_blocks(ids, running.new_block_ids)
+        new_block_ids = running.new_block_ids
+        if new_block_ids is not None and new_block_ids.count(None) != len(new_block_ids):
+            self._append_blocks(ids, new_block_ids)  # (most decode steps give none: one C scan)
         if ids:
             # C loops only: the computed tokens said last (a running request's only grow but
             # for rejected draft tokens, whose KV never counted), and who reached its next store
@@ -99,11 +96,19 @@ class Stores(SchedulerBase):
             if len(known) > len(self._requests):  # ids of requests it does not know
                 for req_id in [r for r in known if r not in self._requests]:
                     del known[req_id]
-            reached = list(map(ge, computed, map(store_at.get, ids, repeat(_NEVER))))
-            if True in reached:
-                requests = self._requests
-                for req_id, tokens in compress(zip(ids, computed), reached):
-                    offers.append(self._offer(req_id, requests[req_id], tokens))
+            if any(map(ge, computed, map(store_at.get, ids, repeat(_NEVER)))):
+                reached = list(map(ge, computed, map(store_at.get, ids, repeat(_NEVER))))
+                if flat_group is None:
+                    requests = self._requests
+                    for req_id, tokens in compress(zip(ids, computed), reached):
+                        offers.append(self._offer(req_id, requests[req_id], tokens))
+                else:  # one pass over them all (kvoffload.scheduler.running)
+                    flat = Flat()
+                    for offer in offers:
+                        self._add_offer(flat, offer)
+                    offers = []
+                    self._offer_running(flat, compress(zip(ids, computed), reached))
+                    plan.stores += self._store_flat(flat)
         plan.stores += self._store_jobs([offer for offer in offers if offer[3]])
         for req_id in preempted:
             state = self._requests.get(req_id)
@@ -118,12 +123,14 @@ class Stores(SchedulerBase):
     def _append_blocks(self, ids: Sequence[str], new_block_ids: Sequence) -> None:
         """The device blocks a decode step gave some of the running requests."""
         requests = self._requests
+        fenced = self._fenced
         for req_id, new in compress(zip(ids, new_block_ids), map(is_not, new_block_ids, repeat(None))):
             state = requests.get(req_id)
             if state is not None:
-                self._flush_fenced(new)
+                if fenced:
+                    self._flush_fenced(new)
                 for have, more in zip(state.block_ids, new):
-                    have.extend(more)
+                    have += more
 
     def _flush_fenced(self, new_block_ids: Sequence[Sequence[int]]) -> None:
         """A state's device block is the engine's to reuse once the next state is written:
@@ -213,6 +220,10 @@ class Stores(SchedulerBase):
         out = self.manager.prepare_store([c[2] for c, _ in candidates])
         if out is None:
             return [job for job in map(self._own_job, offers) if job is not None]
+        return self._picked_job(out, candidates)
+
+    def _picked_job(self, out, candidates: list[tuple[Candidate, Offer]]) -> list[TransferJob]:
+        """The job of the candidates the tier reserved (``out``), in one call for all."""
         chosen = set(out.keys_to_store)
         parts: dict[str, list[OffloadKey]] = {}
         picked: list[tuple[Candidate, Offer]] = []
