@@ -24,9 +24,8 @@ def test_extra_keys_are_vllms_for_every_block(salt, lora) -> None:
         request_id="r", prompt_token_ids=list(range(3 * BLOCK)), sampling_params=SamplingParams(max_tokens=1),
         pooling_params=None, lora_request=lora, cache_salt=salt,
     )  # fmt: skip
-    answers = [_extra_keys(request, start, start + BLOCK) for start in range(0, 3 * BLOCK, BLOCK)]
-    assert answers == [
-        generate_block_hash_extra_keys(request, start, start + BLOCK, 0)[0] for start in range(0, 3 * BLOCK, BLOCK)
-    ]
+    starts = range(0, 3 * BLOCK, BLOCK)
+    answers = [_extra_keys(request, start, start + BLOCK) for start in starts]
+    assert answers == [generate_block_hash_extra_keys(request, s, s + BLOCK, 0)[0] for s in starts]
     # the cases with a source do have keys (so the comparison above is not of Nones only)
     assert (answers[0] is not None) == bool(salt or lora)
