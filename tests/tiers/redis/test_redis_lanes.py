@@ -12,6 +12,7 @@ stays on the wire while the test queues others behind it (no timing involved).""
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import threading
 import time
@@ -265,3 +266,24 @@ def test_many_jobs_of_both_directions_on_one_connection_land_byte_exact(redis_se
     assert redis_server.client().dbsize() == 64 + 128
     writer.close()
     reader.close()
+
+
+def test_a_client_dropped_after_another_path_failed_leaves_the_lanes_connection_open(redis_server):  # noqa: F811
+    """One path's failure makes the calls drop their client (the next call makes a new one);
+    collecting it must not close the connection a lane holds: its C code writes to that
+    descriptor, which, closed, fails the next job (or, reused, reaches another socket)."""
+    pool = make_pool(WIDTH, 4, seed=6)
+    calls = NodeCalls(
+        lambda: connect(ServerSettings(redis_server.url, connect_timeout=2.0, timeout=HANG_GUARD)), "t"
+    )
+    writer = RedisWorker(pool, calls, NAMES, io_threads=1)
+    writer.submit(1, CPULoadStoreSpec([0, 1]), RemoteLoadStoreSpec([k(0), k(1)]))  # connects the lane
+    assert finish(writer, [1])[1].success
+    calls.failed(ConnectionError("another path's connection failed"))
+    calls.breaker("server").success()  # the server answers again (a probe elsewhere went through)
+    gc.collect()  # the dropped client is collected
+    writer.submit(2, CPULoadStoreSpec([2, 3]), RemoteLoadStoreSpec([k(2), k(3)]))
+    result = finish(writer, [2])[2]
+    assert result.success, result.error
+    assert redis_server.client().exists(NAMES.name(k(2)), NAMES.name(k(3))) == 2
+    writer.close()

@@ -96,7 +96,17 @@ class NodeCalls:
     def failed(self, exc: BaseException) -> None:
         """A batch on a lane's connection failed: counted as ``run`` counts a failed call."""
         self.breaker("server").failure(exc)
-        self._client = None
+        self._drop_client()
+
+    def _drop_client(self) -> None:
+        """Forget the client after a failure; the next call makes a new one. Its idle
+        connections are closed now; one in use stays open for its holder, which closes it
+        on its own failure or gives it back (a lane's C code writes to its descriptor: a
+        descriptor closed under it could be reused by another socket or file)."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None and not self.cluster:
+            client.connection_pool.disconnect(inuse_connections=False)
 
     def _client_or_raise(self):
         client = self._client
@@ -104,6 +114,10 @@ class NodeCalls:
             with self._lock:
                 if self._client is None:
                     self._client = self._connect()
+                    if not self.cluster:
+                        # a dropped client must not close the connections still in use
+                        # when it is collected (``_drop_client``)
+                        self._client.auto_close_connection_pool = False
                 client = self._client
         return client
 
@@ -133,7 +147,7 @@ class NodeCalls:
         try:
             groups = self._groups(names)
         except Exception as exc:  # noqa: BLE001 - cannot connect or map slots
-            self._client = None
+            self._drop_client()
             if entry is not None:
                 entry.failure(exc)
             return [NodeDown(f"{type(exc).__name__}: {exc}")] * len(names)
@@ -150,7 +164,7 @@ class NodeCalls:
             except Exception as exc:  # noqa: BLE001 - network, timeout, server errors
                 breaker.failure(exc)
                 if not self.cluster:
-                    self._client = None
+                    self._drop_client()
                 down = NodeDown(f"{type(exc).__name__}: {exc}")
                 for i in indices:
                     replies[i] = down
