@@ -18,7 +18,8 @@ store's processes (``mooncake_server.stop_leftovers``). Tests that start one car
 
 vLLM runs in-process and offline in every test (set here, before any test module imports
 it: the engine starts in about 12 s instead of 28 s); ``tiny_llama`` is the tiny random
-Llama the engine tests serve, built once per session.
+Llama the engine tests serve, built once per session, and ``reference`` its outputs without
+kvoffload, computed for every module in one engine.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     from kvoffload.demo.tiny_model import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama: str):
+    """``reference[text]``: the greedy output of ``tiny_llama`` without kvoffload, every
+    prompt named with ``vllm_reference.want`` computed in one engine (``tests/vllm_reference.py``)."""
+    from vllm_reference import Reference
+
+    return Reference(tiny_llama)
 
 
 def _strict() -> bool:

@@ -23,6 +23,7 @@ from kvoffload.demo.offline import (  # noqa: E402
 from kvoffload.demo.tiny_model import build_tiny_llama  # noqa: E402
 from kvoffload.events.types import BlockRemoved, BlockStored  # noqa: E402
 from vllm_events_sink import Subscriber, drain  # noqa: E402
+from vllm_reference import want  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -31,17 +32,28 @@ def prompt(seed: int, n: int = 2000) -> str:
     return word_text(seed, n)  # byte tokenizer: n tokens
 
 
+want(prompt(1), prompt(2))
+
+
 @pytest.fixture(scope="module")
 def model_path(tiny_llama: str) -> str:
     return tiny_llama
 
 
 @pytest.fixture(scope="module")
-def baseline(model_path):
+def baseline(reference):
     """Outputs of an engine without kvoffload."""
-    llm = make_llm(model_path)
+    return {seed: reference[prompt(seed)] for seed in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def engine_256m(model_path, baseline):
+    """An engine with a 256 MiB CPU tier, shared by the tests of that configuration; each
+    leaves it as it found it (patches undone), and counts from its own starting point.
+    (``baseline`` first: its engine must be closed before this one starts.)"""
+    llm = make_llm(model_path, kvoffload={"cpu_bytes_to_use": 256 << 20})
     try:
-        yield {seed: generate(llm, prompt(seed))[0] for seed in (1, 2)}
+        yield llm
     finally:
         close_llm(llm)
 
@@ -249,32 +261,60 @@ def test_preemptions_under_memory_pressure_do_not_change_outputs(model_path):
     assert results["kvoffload"] == results["base"]
 
 
-def test_failed_loads_are_recomputed(model_path, baseline):
-    llm = make_llm(model_path, kvoffload={"cpu_bytes_to_use": 256 << 20})
+def test_a_request_done_after_its_first_step_has_its_prompt_stored_in_that_step(engine_256m):
+    llm = engine_256m
+    side = worker_connector()._worker
+    stored: list[int] = []  # blocks of the stores submitted, per step that had any
+    start_stores = side.start_stores
+
+    def spy(plan):
+        if plan.stores:
+            stored.append(sum(len(job.dst_spec.block_ids) for job in plan.stores))
+        return start_stores(plan)
+
+    side.start_stores = spy
     try:
-        text = prompt(1)
-        assert generate(llm, text)[0] == baseline[1]
-        # Inject a copy error into every load the transfer engine runs from now on.
-        executor = host_transfer_engine()._executor
-        launch = executor.launch
+        text = prompt(3)
+        out, cached = generate(llm, text, max_tokens=1)  # one step: the prompt and its only token
+        assert cached == 0 and stored == [62]
+        settle(llm)
+        assert llm.reset_prefix_cache()
+        assert generate(llm, text, max_tokens=1) == (out, 62 * 32)
+    finally:
+        side.start_stores = start_stores
 
-        def failing_loads(store, *args, **kwargs):
-            if not store:
-                raise RuntimeError("injected copy failure")
-            return launch(store, *args, **kwargs)
 
-        executor.launch = failing_loads
+def test_failed_loads_are_recomputed(engine_256m, baseline):
+    llm = engine_256m
+    text = prompt(1)
+    assert generate(llm, text)[0] == baseline[1]
+    # Inject a copy error into every load the transfer engine runs from now on.
+    executor = host_transfer_engine()._executor
+    launch = executor.launch
+
+    def failing_loads(store, *args, **kwargs):
+        if not store:
+            raise RuntimeError("injected copy failure")
+        return launch(store, *args, **kwargs)
+
+    executor.launch = failing_loads
+    try:
         settle(llm)  # the last stores may still be in flight
         assert llm.reset_prefix_cache()
+        before = scheduler_connector(llm).offload_stats().snapshot()
         out, _ = generate(llm, text)
         assert out == baseline[1]
         stats = scheduler_connector(llm).offload_stats()
         # One load was planned: the 62 offloaded blocks (F=1) of the 2000-token prompt. It
         # failed, and after a failed load the request is never matched again, so the engine
         # recomputed it without a second try.
-        assert (stats.failed_loads, stats.blocks_loaded, stats.tokens_loaded) == (1, 0, 62 * 32)
+        assert (
+            stats.failed_loads - before.failed_loads,
+            stats.blocks_loaded - before.blocks_loaded,
+            stats.tokens_loaded - before.tokens_loaded,
+        ) == (1, 0, 62 * 32)
     finally:
-        close_llm(llm)
+        executor.launch = launch
 
 
 def test_events_reach_vllm_as_its_own_classes_with_every_field():
@@ -310,26 +350,3 @@ def test_events_reach_vllm_as_its_own_classes_with_every_field():
         assert type(converted) is theirs
         values = msgspec.structs.asdict(ours)
         assert converted == theirs(**{k: values[k] for k in theirs.__struct_fields__})
-
-
-def test_a_request_done_after_its_first_step_has_its_prompt_stored_in_that_step(model_path):
-    llm = make_llm(model_path, kvoffload={"cpu_bytes_to_use": 256 << 20})
-    try:
-        side = worker_connector()._worker
-        stored: list[int] = []  # blocks of the stores submitted, per step that had any
-        start_stores = side.start_stores
-
-        def spy(plan):
-            if plan.stores:
-                stored.append(sum(len(job.dst_spec.block_ids) for job in plan.stores))
-            return start_stores(plan)
-
-        side.start_stores = spy
-        text = prompt(3)
-        out, cached = generate(llm, text, max_tokens=1)  # one step: the prompt and its only token
-        assert cached == 0 and stored == [62]
-        settle(llm)
-        assert llm.reset_prefix_cache()
-        assert generate(llm, text, max_tokens=1) == (out, 62 * 32)
-    finally:
-        close_llm(llm)

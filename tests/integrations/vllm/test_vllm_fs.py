@@ -18,11 +18,13 @@ from kvoffload.demo.offline import (
 from kvoffload.demo.offline import (  # noqa: E402
     greedy as generate,
 )
+from vllm_reference import want  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = 2000  # tokens (one character each): 62 full blocks of 32 are offloaded
 OFFLOADED = 62 * 32
+FIRST, SECOND = want(word_text(41, PROMPT), word_text(42, PROMPT))
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +46,9 @@ def disk_stats(llm):
     return manager.tier_stats()[1]
 
 
-def test_served_from_disk_and_again_after_a_restart(model, tmp_path):
-    first, second = word_text(41, PROMPT), word_text(42, PROMPT)
-    baseline = make_llm(model)
-    try:
-        expected = {text: generate(baseline, text)[0] for text in (first, second)}
-    finally:
-        close_llm(baseline)
+def test_served_from_disk_and_again_after_a_restart(model, reference, tmp_path):
+    first, second = FIRST, SECOND
+    expected = {text: reference[text] for text in (first, second)}  # an engine without kvoffload
 
     llm = fs_engine(model, tmp_path / "kv")
     try:

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 import torch  # noqa: E402
 
+import vllm_reference  # noqa: E402
 from kvoffload.demo.offline import (
     close_llm,
     make_llm,
@@ -45,6 +46,9 @@ def prompt(name: str) -> str:
     return word_text(SEEDS[name], PROMPT)
 
 
+vllm_reference.want(*map(prompt, SEEDS))
+
+
 def chunked_llm(model_path):
     """``make_llm``'s engine with kvoffload (F=1) and prefill chunks of ``CHUNK`` tokens."""
     return make_llm(
@@ -57,7 +61,6 @@ def chunked_llm(model_path):
 
 
 ENGINES = {
-    "baseline": lambda path: make_llm(path),
     # F=2: an offloaded block spans two device blocks, so a load or store that mixes up
     # the halves of an offloaded block is caught too
     "offload": lambda path: make_llm(path, kvoffload={"cpu_bytes_to_use": 256 << 20, "block_size": 64}),
@@ -102,10 +105,10 @@ def engines(tiny_llama: str):
 
 
 @pytest.fixture(scope="module")
-def baseline(engines):
+def baseline(engines, reference):
     """Greedy outputs (8 tokens) of an engine without kvoffload, prefill not chunked."""
-    llm = engines.get("baseline")
-    return {name: generate(llm, prompt(name))[0] for name in SEEDS}
+    engines.close()  # one in-process engine at a time
+    return {name: reference[prompt(name)] for name in SEEDS}
 
 
 # -- reading vLLM's KV cache ---------------------------------------------------------------

@@ -20,6 +20,7 @@ from kvoffload.demo.offline import (  # noqa: E402
 )
 from kvoffload.demo.offline import greedy as generate  # noqa: E402
 from mooncake_server import MooncakeServer  # noqa: E402
+from vllm_reference import want  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -32,18 +33,16 @@ def model(tiny_llama: str) -> str:
     return tiny_llama
 
 
+TEXTS = want(*(word_text(71 + i, PROMPT) for i in range(4)))
+
+
 @pytest.fixture(scope="module")
-def expected(model):
-    texts = [word_text(71 + i, PROMPT) for i in range(4)]
-    baseline = make_llm(model)
-    try:
-        return {text: generate(baseline, text)[0] for text in texts}
-    finally:
-        close_llm(baseline)
+def expected(reference):
+    return {text: reference[text] for text in TEXTS}
 
 
-def mooncake_engine(model, server):
-    extra = {"cpu_bytes_to_use": 70 * kv_block_bytes(model), "secondary_tiers": [server.tier_config()]}
+def mooncake_engine(model, server, **tier):
+    extra = {"cpu_bytes_to_use": 70 * kv_block_bytes(model), "secondary_tiers": [server.tier_config(**tier)]}
     return make_llm(model, kvoffload=extra)
 
 
@@ -87,7 +86,8 @@ def test_master_killed_and_restarted_mid_run(model, expected, tmp_path):
     texts = list(expected)
     server = MooncakeServer(tmp_path, segment=256 << 20).start()
     try:
-        llm = mooncake_engine(model, server)
+        # the breaker's backoff capped at 1 s (10 s by default): the restart is noticed sooner
+        llm = mooncake_engine(model, server, retry_max_s=1.0)
         try:
             assert generate(llm, texts[0]) == (expected[texts[0]], 0)
             for _ in range(3):
@@ -106,7 +106,7 @@ def test_master_killed_and_restarted_mid_run(model, expected, tmp_path):
             # The restarted master lost its blocks: a miss, or (while the index has not yet
             # heard) a promotion that fails on the missing objects, recomputed: never an error.
             assert cached == 0 or scheduler_connector(llm).offload_stats().failed_tier_transfers > before
-            deadline = time.monotonic() + 120  # a hang guard: the breaker retries within 10 s
+            deadline = time.monotonic() + 120  # a hang guard: the breaker retries within retry_max_s
             filler = 0
             while server.key_count() == 0:  # until a write-through reaches the new master
                 assert time.monotonic() < deadline, "the tier stored nothing within 120 s of the restart"

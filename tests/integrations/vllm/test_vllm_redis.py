@@ -22,6 +22,7 @@ from kvoffload.demo.offline import (  # noqa: E402
     greedy as generate,
 )
 from redis_server import RedisServer  # noqa: E402
+from vllm_reference import want  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,14 +35,12 @@ def model(tiny_llama: str) -> str:
     return tiny_llama
 
 
+TEXTS = want(*(word_text(51 + i, PROMPT) for i in range(4)))
+
+
 @pytest.fixture(scope="module")
-def expected(model):
-    texts = [word_text(51 + i, PROMPT) for i in range(4)]
-    baseline = make_llm(model)
-    try:
-        return {text: generate(baseline, text)[0] for text in texts}
-    finally:
-        close_llm(baseline)
+def expected(reference):
+    return {text: reference[text] for text in TEXTS}
 
 
 def redis_engine(model, url):
@@ -100,11 +99,23 @@ def test_server_killed_and_restarted_mid_run(model, expected, tmp_path):
                 assert generate(llm, text) == (expected[text], 0)
                 settle(llm)
             server.start()
-            time.sleep(11)  # past the breaker's longest backoff (10 s): the next call goes through
+            # The worker's breaker lets a call through once its backoff (at most 10 s) is
+            # over: one-block requests, each written through, until one reaches the server.
+            deadline = time.monotonic() + 120  # a hang guard
+            fillers = 0
+            while server.client().dbsize() == 0:
+                assert time.monotonic() < deadline, "the tier stored nothing within 120 s of the restart"
+                fillers += 1
+                generate(llm, word_text(900 + fillers, 40))
+                for _ in range(3):
+                    settle(llm)
+            stored = server.client().dbsize()
+            # one block per filler, 62 per request of the outage: none of those came back
+            assert stored <= fillers < 62
             assert generate(llm, texts[3]) == (expected[texts[3]], 0)
             for _ in range(3):
                 settle(llm)
-            assert server.client().dbsize() == 62  # the tier stores again
+            assert server.client().dbsize() == stored + 62  # the tier stores again
         finally:
             close_llm(llm)
     finally:

@@ -151,6 +151,11 @@ def test_budget_evictions_delete_what_this_engine_wrote(replicas, redis_server):
 def test_server_down_answers_misses_fast_and_the_tier_recovers(replicas, redis_server):  # noqa: F811
     a = replicas()
     assert a.store([k(1)], [0]).success
+    # Subscribed before the kill: the listener sees the connection drop and, once the
+    # server is back, resubscribes and asks for a resync, which probes through the lookups'
+    # breaker. Without it (a listener not yet scheduled under load) the breaker waited for
+    # the next reconciliation (reconcile_interval_s, 30 s: the whole `until` budget below).
+    a.wait_listening()
     redis_server.kill()
     # stores fail as results, never as exceptions
     out = a.manager.prepare_store([k(2)])
