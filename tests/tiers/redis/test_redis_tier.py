@@ -396,3 +396,21 @@ def test_a_block_deleted_on_the_server_is_announced_removed_within_seconds(repli
         time.sleep(0.02)
     assert removed == [k(1)]
     assert a.manager.lookup(k(1)) is not HIT and a.manager.lookup(k(2)) is HIT
+
+
+def test_without_notifications_the_lookups_notice_the_server_back_without_traffic(
+    replicas,
+    redis_server,  # noqa: F811
+):
+    """No keyspace notifications (a Cluster, or a server without them) and no
+    reconciliation due: while the server is down the manager asks nothing, so only the
+    lookups' own heartbeat can tell that it answers again."""
+    redis_server.client().config_set("notify-keyspace-events", "")
+    a = replicas(reconcile_interval_s=3600.0)
+    assert a.settle(k(1)) is MISS  # connected, nothing stored
+    redis_server.kill()
+    assert a.settle(k(2)) is MISS  # its probe failed: the lookups' breaker is open
+    assert a.manager._remote.down
+    redis_server.start()
+    assert Replica(redis_server.url).store([k(3)], [0]).success
+    assert until(lambda: a.settle(k(3)) is HIT, timeout=30)

@@ -11,6 +11,10 @@ at once (``failed``), and a command the server refused fails its names too.
 does not change server settings), heard on a second thread. ``resync``: the notification
 stream was (re)connected after a loss: what was missed is unknown. Notifications are off
 on a Redis Cluster (they are per node); reconciliation covers it.
+
+While every node is down the manager asks nothing (lookups miss at once), so the thread
+checks the server every ``HEARTBEAT_S`` seconds when idle (as far as the breaker lets it):
+its return is noticed without traffic, notifications or a reconciliation.
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ from kvoffload.tiers.shared_store_lookups import Answer, StoreLookups
 log = logging.getLogger("kvoffload.tiers.redis")
 
 _EVENTS = ("evicted", "expired", "del")
+HEARTBEAT_S = 0.5
+_HEARTBEAT_NAME = b"kvoffload-heartbeat"
 
 
 class RemoteLookups(StoreLookups):
+    idle_s = HEARTBEAT_S
+
     def __init__(
         self,
         connect: Callable[[], object],
@@ -75,6 +83,12 @@ class RemoteLookups(StoreLookups):
 
     def _remove(self, names: list[bytes]) -> None:
         self.calls.run(names, lambda name, _: ("UNLINK", name))
+
+    def _wants_heartbeat(self) -> bool:
+        return self.calls.down
+
+    def _heartbeat(self) -> None:
+        self.calls.run([_HEARTBEAT_NAME], lambda name, _: ("EXISTS", name))
 
     # -- keyspace notifications ----------------------------------------------------------
 
