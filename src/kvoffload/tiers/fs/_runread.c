@@ -24,9 +24,7 @@
  * can then wait for the engine's switch interval; here a run costs one, and its records
  * are checked without a Python object per block.
  *
- * CRC32C (Castagnoli, reflected polynomial 0x82F63B78, the ``crc32c`` package's values):
- * SSE4.2 on x86-64 CPUs that have it, three interleaved streams joined by a linear shift;
- * a byte table elsewhere.
+ * CRC32C: kvoffload/_crc32c.h (SSE4.2 where the CPU has it, a byte table elsewhere).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,85 +33,9 @@
 #include <string.h>
 #include <sys/uio.h>
 
-static uint32_t byte_table[256];
+#include "../../_crc32c.h"
 
-static uint32_t crc_bytes(uint32_t c, const unsigned char *p, size_t n) {
-    while (n--) c = byte_table[(c ^ *p++) & 0xff] ^ (c >> 8);
-    return c;
-}
-
-static uint32_t (*crc_run)(uint32_t, const unsigned char *, size_t) = crc_bytes;
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <nmmintrin.h>
-#define LANE 4096 /* bytes of each of the three streams per step */
-
-/* advance[k][v]: the register holding v << 8k, moved past LANE zero bytes; applied twice
- * it moves a register past two lanes. */
-static uint32_t advance[4][256];
-
-__attribute__((target("sse4.2"))) static uint32_t past_zeros(uint32_t c, size_t n) {
-    uint64_t r = c;
-    for (size_t i = 0; i < n; i += 8) r = _mm_crc32_u64(r, 0);
-    return (uint32_t)r;
-}
-
-static inline uint32_t move_lane(uint32_t x) {
-    return advance[0][x & 0xff] ^ advance[1][(x >> 8) & 0xff] ^ advance[2][(x >> 16) & 0xff] ^
-           advance[3][x >> 24];
-}
-
-__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const unsigned char *p, size_t n) {
-    uint64_t a = c;
-    for (; n && ((uintptr_t)p & 7); n--) a = _mm_crc32_u8((uint32_t)a, *p++);
-    /* One stream is bound by the instruction's latency; three independent ones fill its
-     * throughput. Each register's update is linear, so the streams are joined by moving
-     * the first one past two lanes and the second past one, then XOR. */
-    for (; n >= 3 * LANE; p += 3 * LANE, n -= 3 * LANE) {
-        uint64_t b = 0, d = 0, x, y, z;
-        for (size_t i = 0; i < LANE; i += 8) {
-            memcpy(&x, p + i, 8);
-            memcpy(&y, p + LANE + i, 8);
-            memcpy(&z, p + 2 * LANE + i, 8);
-            a = _mm_crc32_u64(a, x);
-            b = _mm_crc32_u64(b, y);
-            d = _mm_crc32_u64(d, z);
-        }
-        a = move_lane(move_lane((uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)d;
-    }
-    for (; n >= 8; p += 8, n -= 8) {
-        uint64_t x;
-        memcpy(&x, p, 8);
-        a = _mm_crc32_u64(a, x);
-    }
-    for (; n; n--) a = _mm_crc32_u8((uint32_t)a, *p++);
-    return (uint32_t)a;
-}
-
-static void init_hw(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("sse4.2")) return;
-    for (int k = 0; k < 4; k++)
-        for (int v = 0; v < 256; v++) {
-            uint32_t x = 0;
-            for (int bit = 0; bit < 8; bit++)
-                if (v >> bit & 1) x ^= past_zeros(1u << (8 * k + bit), LANE);
-            advance[k][v] = x;
-        }
-    crc_run = crc_hw;
-}
-#else
-static void init_hw(void) {}
-#endif
-
-static void init_crc(void) {
-    for (uint32_t v = 0; v < 256; v++) {
-        uint32_t x = v;
-        for (int bit = 0; bit < 8; bit++) x = (x >> 1) ^ (0x82F63B78u & (0u - (x & 1)));
-        byte_table[v] = x;
-    }
-    init_hw();
-}
+static crc32c_fn crc_run = crc32c_bytes;
 
 /* Reads ``want`` bytes at ``at`` into ``count`` buffers from ``iov`` (modified). Returns
  * the bytes read (fewer at end of file) or -errno. */
@@ -323,6 +245,6 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_runread", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__runread(void) {
-    init_crc();
+    crc_run = crc32c_init();
     return PyModule_Create(&module);
 }
