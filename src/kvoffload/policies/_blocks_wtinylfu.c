@@ -83,11 +83,11 @@ static void age(Sketch *sk) {
     sk->additions /= 2;
 }
 
-/* The estimate of ``key`` (0..15), or -1 with an error set. */
-static int estimate(Sketch *sk, PyObject *key) {
+/* The estimate of ``key`` (0..15) with its counters' slots in ``slots``, or -1 with an
+ * error set. */
+static int lowest(Sketch *sk, PyObject *key, Py_ssize_t *slots) {
     uint64_t value = fold(key);
     if (value == 0) return -1;
-    Py_ssize_t slots[ROWS];
     slots_of(sk, value, slots);
     int low = MAX_COUNT;
     for (int row = 0; row < ROWS; row++)
@@ -95,14 +95,15 @@ static int estimate(Sketch *sk, PyObject *key) {
     return low;
 }
 
-static int increment(Sketch *sk, PyObject *key) {
-    uint64_t value = fold(key);
-    if (value == 0) return -1;
+static int estimate(Sketch *sk, PyObject *key) {
     Py_ssize_t slots[ROWS];
-    slots_of(sk, value, slots);
-    int low = MAX_COUNT;
-    for (int row = 0; row < ROWS; row++)
-        if (sk->table[slots[row]] < low) low = sk->table[slots[row]];
+    return lowest(sk, key, slots);
+}
+
+static int increment(Sketch *sk, PyObject *key) {
+    Py_ssize_t slots[ROWS];
+    int low = lowest(sk, key, slots);
+    if (low < 0) return -1;
     if (low < MAX_COUNT) /* conservative update: the counts at the minimum only */
         for (int row = 0; row < ROWS; row++)
             if (sk->table[slots[row]] == low) sk->table[slots[row]] = (uint8_t)(low + 1);
