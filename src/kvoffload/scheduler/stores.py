@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
-from operator import ge, is_not
+from operator import is_not
 
 from kvoffload.keys import OffloadKey
 from kvoffload.scheduler.blocks import device_spec
+from kvoffload.scheduler.passes import append_blocks, note_running
 from kvoffload.scheduler.running import _NEVER, Flat, RunningStores, _one
 from kvoffload.scheduler.state import RequestState
 from kvoffload.scheduler.types import RunningRequests, StepPlan, StepRequest, TransferJob
@@ -89,25 +90,26 @@ class Stores(RunningStores):
         if new_block_ids is not None and new_block_ids.count(None) != len(new_block_ids):
             self._append_blocks(ids, new_block_ids)  # (most decode steps give none: one C scan)
         if ids:
-            # C loops only: the computed tokens said last (a running request's only grow but
-            # for rejected draft tokens, whose KV never counted), and who reached its next store
+            # one loop (kvoffload.scheduler.passes): the computed tokens said last (a running
+            # request's only grow but for rejected draft tokens, whose KV never counted), and
+            # who reached its next store
             known = self._running_computed
-            known.update(zip(ids, computed))
+            reached = note_running(ids, computed, known, store_at)
             if len(known) > len(self._requests):  # ids of requests it does not know
                 for req_id in [r for r in known if r not in self._requests]:
                     del known[req_id]
-            if any(map(ge, computed, map(store_at.get, ids, repeat(_NEVER)))):
-                reached = list(map(ge, computed, map(store_at.get, ids, repeat(_NEVER))))
+            if reached:
+                pairs = [(ids[i], computed[i]) for i in reached]
                 if flat_group is None:
                     requests = self._requests
-                    for req_id, tokens in compress(zip(ids, computed), reached):
+                    for req_id, tokens in pairs:
                         offers.append(self._offer(req_id, requests[req_id], tokens))
                 else:  # one pass over them all (kvoffload.scheduler.running)
                     flat = Flat()
                     for offer in offers:
                         self._add_offer(flat, offer)
                     offers = []
-                    self._offer_running(flat, compress(zip(ids, computed), reached))
+                    self._offer_running(flat, pairs)
                     plan.stores += self._store_flat(flat)
         plan.stores += self._store_jobs([offer for offer in offers if offer[3]])
         for req_id in preempted:
@@ -122,13 +124,14 @@ class Stores(RunningStores):
 
     def _append_blocks(self, ids: Sequence[str], new_block_ids: Sequence) -> None:
         """The device blocks a decode step gave some of the running requests."""
+        if not self._fenced:
+            append_blocks(ids, new_block_ids, self._requests)  # (one loop)
+            return
         requests = self._requests
-        fenced = self._fenced
         for req_id, new in compress(zip(ids, new_block_ids), map(is_not, new_block_ids, repeat(None))):
             state = requests.get(req_id)
             if state is not None:
-                if fenced:
-                    self._flush_fenced(new)
+                self._flush_fenced(new)
                 for have, more in zip(state.block_ids, new):
                     have += more
 

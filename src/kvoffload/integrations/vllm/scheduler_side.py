@@ -10,8 +10,7 @@ an offloaded block; ``BlockStored`` carries those as ``extra_keys`` and ``lora_n
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import compress, repeat
-from operator import add
+from itertools import compress
 from typing import Any
 
 import msgspec
@@ -29,6 +28,7 @@ from kvoffload.integrations.vllm.identity import kv_identity
 from kvoffload.integrations.vllm.layout import host_block_bytes
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.scheduler import OffloadingScheduler, RunningRequests, StepRequest
+from kvoffload.scheduler.passes import tokens_after
 from kvoffload.tiers.factory import build_manager
 
 # vLLM's block pool hands out block 0 as its null block, the placeholder for positions
@@ -168,9 +168,8 @@ class SchedulerSide:
         resumed = getattr(cached, "resumed_req_ids", ())
         ids = cached.req_ids
         # every request that ran on (all of a decode step) goes in one RunningRequests,
-        # built in C loops: no Python per request
-        scheduled = map(out.num_scheduled_tokens.get, ids, repeat(0))
-        computed = list(map(add, cached.num_computed_tokens, scheduled))
+        # built in one C loop: no Python per request
+        computed = tokens_after(ids, cached.num_computed_tokens, out.num_scheduled_tokens)
         if resumed or states:  # (rare) these go as StepRequests
             ran = [req_id not in resumed and req_id not in states for req_id in ids]
             steps += [

@@ -1,0 +1,211 @@
+/* kvoffload.scheduler._passes: a decode step's passes over its running requests, in C.
+ *
+ * The contracts are those of kvoffload.scheduler.passes, whose Python functions give the
+ * same answers (tests/scheduler/test_passes.py compares both):
+ *
+ *   tokens_after(ids, before, scheduled) -> list
+ *       before[i] + scheduled.get(ids[i], 0) for each i.
+ *   note_running(ids, computed, known, store_at) -> list
+ *       known[ids[i]] = computed[i] for each i in order; the indices i (ascending) where
+ *       computed[i] >= store_at[ids[i]] (an id missing from store_at never reaches).
+ *   append_blocks(ids, new_block_ids, requests) -> None
+ *       for each i with new_block_ids[i] not None and ids[i] in requests: each group's
+ *       list of that state's block_ids extended by the group's new ids (zip: the shorter
+ *       of the two decides).
+ *
+ * Sequences go through PySequence_Fast (lists and tuples as they are); lengths must match
+ * (ValueError). scheduled, known, store_at and requests must be dicts (TypeError). The GIL
+ * is held throughout; an error raised midway leaves what was done before it done.
+ *
+ * Why C: in Python each is one C-level map or zip over a thousand ids, four of them per
+ * ordinary decode step at about 60 us each (bench/bench_batch.py, 1,024 requests); here
+ * each is one loop with the dict probes on the ids' cached hashes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *str_block_ids; /* "block_ids" */
+
+/* PySequence_Fast of two objects of the same length, or NULL with an error set. */
+static int fast_pair(PyObject *a, PyObject *b, PyObject **fa, PyObject **fb, Py_ssize_t *n) {
+    *fa = PySequence_Fast(a, "expected a sequence");
+    if (*fa == NULL)
+        return -1;
+    *fb = PySequence_Fast(b, "expected a sequence");
+    if (*fb == NULL) {
+        Py_DECREF(*fa);
+        return -1;
+    }
+    *n = PySequence_Fast_GET_SIZE(*fa);
+    if (PySequence_Fast_GET_SIZE(*fb) != *n) {
+        PyErr_Format(PyExc_ValueError, "lists of different lengths: [%zd, %zd]", *n,
+                     PySequence_Fast_GET_SIZE(*fb));
+        Py_DECREF(*fa);
+        Py_DECREF(*fb);
+        return -1;
+    }
+    return 0;
+}
+
+static int need_dict(PyObject *d, const char *what) {
+    if (!PyDict_Check(d)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a dict, not %.100s", what, Py_TYPE(d)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *tokens_after(PyObject *self, PyObject *args) {
+    PyObject *ids, *before, *scheduled, *fi, *fb, *out, *zero;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOO:tokens_after", &ids, &before, &scheduled))
+        return NULL;
+    if (need_dict(scheduled, "scheduled") < 0 || fast_pair(ids, before, &fi, &fb, &n) < 0)
+        return NULL;
+    out = PyList_New(n);
+    zero = PyLong_FromLong(0);
+    if (out == NULL || zero == NULL)
+        goto fail;
+    PyObject **id = PySequence_Fast_ITEMS(fi), **b = PySequence_Fast_ITEMS(fb);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = PyDict_GetItemWithError(scheduled, id[i]); /* borrowed */
+        if (s == NULL && PyErr_Occurred())
+            goto fail;
+        PyObject *v = PyNumber_Add(b[i], s != NULL ? s : zero);
+        if (v == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, i, v);
+    }
+    Py_DECREF(zero);
+    Py_DECREF(fi);
+    Py_DECREF(fb);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(zero);
+    Py_DECREF(fi);
+    Py_DECREF(fb);
+    return NULL;
+}
+
+static PyObject *note_running(PyObject *self, PyObject *args) {
+    PyObject *ids, *computed, *known, *store_at, *fi, *fc, *out;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOOO:note_running", &ids, &computed, &known, &store_at))
+        return NULL;
+    if (need_dict(known, "known") < 0 || need_dict(store_at, "store_at") < 0 ||
+        fast_pair(ids, computed, &fi, &fc, &n) < 0)
+        return NULL;
+    out = PyList_New(0);
+    if (out == NULL)
+        goto fail;
+    PyObject **id = PySequence_Fast_ITEMS(fi), **c = PySequence_Fast_ITEMS(fc);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyDict_SetItem(known, id[i], c[i]) < 0)
+            goto fail;
+        PyObject *bound = PyDict_GetItemWithError(store_at, id[i]); /* borrowed */
+        if (bound == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        int reached = PyObject_RichCompareBool(c[i], bound, Py_GE);
+        if (reached < 0)
+            goto fail;
+        if (reached) {
+            PyObject *index = PyLong_FromSsize_t(i);
+            if (index == NULL || PyList_Append(out, index) < 0) {
+                Py_XDECREF(index);
+                goto fail;
+            }
+            Py_DECREF(index);
+        }
+    }
+    Py_DECREF(fi);
+    Py_DECREF(fc);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(fi);
+    Py_DECREF(fc);
+    return NULL;
+}
+
+/* each group's list in state.block_ids extended by new's (zip of the two) */
+static int extend_groups(PyObject *state, PyObject *new) {
+    PyObject *have = PyObject_GetAttr(state, str_block_ids);
+    if (have == NULL)
+        return -1;
+    PyObject *fh = PySequence_Fast(have, "block_ids must be a sequence");
+    Py_DECREF(have);
+    if (fh == NULL)
+        return -1;
+    PyObject *fn = PySequence_Fast(new, "new block ids must be a sequence");
+    if (fn == NULL) {
+        Py_DECREF(fh);
+        return -1;
+    }
+    Py_ssize_t groups = PySequence_Fast_GET_SIZE(fh);
+    if (PySequence_Fast_GET_SIZE(fn) < groups)
+        groups = PySequence_Fast_GET_SIZE(fn);
+    int rc = 0;
+    for (Py_ssize_t g = 0; g < groups && rc == 0; g++) {
+        PyObject *r = PySequence_InPlaceConcat(PySequence_Fast_GET_ITEM(fh, g), PySequence_Fast_GET_ITEM(fn, g));
+        if (r == NULL)
+            rc = -1;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(fh);
+    Py_DECREF(fn);
+    return rc;
+}
+
+static PyObject *append_blocks(PyObject *self, PyObject *args) {
+    PyObject *ids, *new_block_ids, *requests, *fi, *fn;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOO:append_blocks", &ids, &new_block_ids, &requests))
+        return NULL;
+    if (need_dict(requests, "requests") < 0 || fast_pair(ids, new_block_ids, &fi, &fn, &n) < 0)
+        return NULL;
+    PyObject **id = PySequence_Fast_ITEMS(fi), **new = PySequence_Fast_ITEMS(fn);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (new[i] == Py_None)
+            continue;
+        PyObject *state = PyDict_GetItemWithError(requests, id[i]); /* borrowed */
+        if (state == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        Py_INCREF(state); /* (an attribute lookup may run Python code) */
+        int rc = extend_groups(state, new[i]);
+        Py_DECREF(state);
+        if (rc < 0)
+            goto fail;
+    }
+    Py_DECREF(fi);
+    Py_DECREF(fn);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(fi);
+    Py_DECREF(fn);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"tokens_after", tokens_after, METH_VARARGS, "before[i] + scheduled.get(ids[i], 0) for each i."},
+    {"note_running", note_running, METH_VARARGS,
+     "known[ids[i]] = computed[i]; the indices where computed[i] >= store_at[ids[i]]."},
+    {"append_blocks", append_blocks, METH_VARARGS,
+     "Each running request's new device blocks appended to its state's block_ids."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_passes", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__passes(void) {
+    str_block_ids = PyUnicode_InternFromString("block_ids");
+    if (str_block_ids == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}
