@@ -50,12 +50,24 @@ def _int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 class CPULoadStoreSpec(LoadStoreSpec):
-    """Host block ids (int64), in key order."""
+    """Host block ids (int64), in key order. Given as a sequence, the ids are kept as a
+    tuple and the array is made on the first read of ``block_ids``: the scheduler thread
+    hands out a spec per job and rarely reads it; the worker does."""
 
     medium = MEDIUM_CPU
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray) -> None:
-        self.block_ids = np.asarray(block_ids, dtype=np.int64)
+        if isinstance(block_ids, np.ndarray):
+            self._array: np.ndarray | None = block_ids.astype(np.int64, copy=False)
+            self._ids: tuple[int, ...] | None = None
+        else:
+            self._array, self._ids = None, tuple(block_ids)
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        if self._array is None:
+            self._array, self._ids = np.asarray(self._ids, dtype=np.int64), None
+        return self._array
 
     def __repr__(self) -> str:
         return f"CPULoadStoreSpec({self.block_ids.tolist()})"
