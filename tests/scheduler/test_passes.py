@@ -14,9 +14,19 @@ NATIVE = pytest.mark.skipif(not passes.NATIVE, reason="kvoffload.scheduler._pass
 
 BOTH = [
     pytest.param(
-        (passes.python_tokens_after, passes.python_note_running, passes.python_append_blocks), id="python"
+        (
+            passes.python_tokens_after,
+            passes.python_note_running,
+            passes.python_append_blocks,
+            passes.python_advance_below,
+        ),
+        id="python",
     ),
-    pytest.param((passes.tokens_after, passes.note_running, passes.append_blocks), id="native", marks=NATIVE),
+    pytest.param(
+        (passes.tokens_after, passes.note_running, passes.append_blocks, passes.advance_below),
+        id="native",
+        marks=NATIVE,
+    ),
 ]
 
 
@@ -36,13 +46,41 @@ def test_note_running_records_every_count_and_returns_who_reached(impl):
     known = {"old": 3}
     store_at = {"a": 16, "b": 32, "c": float("inf"), "d": 8}
     ids = ["a", "b", "c", "d", "e"]
-    reached = note_running(ids, [16, 31, 10**6, 40, 99], known, store_at)
+    reached, slack = note_running(ids, [16, 31, 10**6, 40, 99], known, store_at)
     assert reached == [0, 3]  # "e" has no bound: it never reaches
+    assert slack == -32.0 and type(slack) is float  # the least bound - computed: d's
     assert known == {"old": 3, "a": 16, "b": 31, "c": 10**6, "d": 40, "e": 99}
-    assert note_running(["a", "a"], [1, 2], known, store_at) == []
+    assert note_running(["a", "a"], [1, 2], known, store_at) == ([], 14.0)
     assert known["a"] == 2  # in order: the last one said stays
+    assert note_running(["c", "e"], [5, 6], known, store_at) == ([], float("inf"))
+    assert note_running([], [], known, store_at) == ([], float("inf"))
     with pytest.raises(ValueError, match=r"\[1, 2\]"):
         note_running(["a"], [1, 2], known, store_at)
+
+
+@pytest.mark.parametrize("impl", BOTH)
+def test_tokens_after_with_the_dict_in_the_ids_order_or_partly(impl):
+    tokens_after = impl[0]
+    ids = ["a", "b", "c", "d"]
+    aligned = dict(zip(ids, [1, 2, 3, 4]))  # (vLLM's order: the running requests first)
+    aligned["new"] = 9
+    assert tokens_after(ids, [10, 20, 30, 40], aligned) == [11, 22, 33, 44]
+    diverging = {"a": 1, "b": 2, "x": 5, "d": 4, "c": 3}
+    assert tokens_after(ids, [10, 20, 30, 40], diverging) == [11, 22, 33, 44]
+    equal_not_same = {"".join(["a"]): 1, "".join(["b"]): 2}  # equal strings, other objects
+    assert tokens_after(["a", "b", "a"], [0, 0, 5], equal_not_same) == [1, 2, 6]
+
+
+@pytest.mark.parametrize("impl", BOTH)
+def test_advance_below(impl):
+    advance_below = impl[3]
+    assert advance_below([5, 9], [4, 7], 3.0)  # advanced 1 and 2
+    assert not advance_below([5, 10], [4, 7], 3.0)  # 3 is not below 3
+    assert advance_below([3, 9], [4, 9], 0.5)  # a rejected draft: went back
+    assert advance_below([10**9], [1], float("inf"))
+    assert advance_below([], [], 1.0)
+    with pytest.raises(ValueError, match=r"\[2, 1\]"):
+        advance_below([1, 2], [1], 1.0)
 
 
 @pytest.mark.parametrize("impl", BOTH)
@@ -88,6 +126,12 @@ def test_native_equals_python_on_random_steps(seed):
     got = passes.note_running(ids, computed, known_c, store_at)
     assert got == passes.python_note_running(ids, computed, known_py, store_at)
     assert list(known_c.items()) == list(known_py.items())  # same values, same insertion order
+    aligned = dict(zip(ids, before))  # (the order vLLM fills it in)
+    assert passes.tokens_after(ids, before, aligned) == passes.python_tokens_after(ids, before, aligned)
+    later = [c + rng.randrange(-1, 4) for c in computed]
+    for slack in (0.0, 1.0, 2.0, 3.0, float("inf"), float(got[1])):
+        native = passes.advance_below(later, computed, slack)
+        assert native == passes.python_advance_below(later, computed, slack)
 
     def states():
         local = random.Random(seed)

@@ -5,9 +5,12 @@
  *
  *   tokens_after(ids, before, scheduled) -> list
  *       before[i] + scheduled.get(ids[i], 0) for each i.
- *   note_running(ids, computed, known, store_at) -> list
+ *   note_running(ids, computed, known, store_at) -> (list, float)
  *       known[ids[i]] = computed[i] for each i in order; the indices i (ascending) where
- *       computed[i] >= store_at[ids[i]] (an id missing from store_at never reaches).
+ *       computed[i] >= store_at[ids[i]] (an id missing from store_at never reaches), and
+ *       the slack: the least store_at[ids[i]] - computed[i] (inf where none has a bound).
+ *   advance_below(computed, at_pass, slack) -> bool
+ *       whether computed[i] - at_pass[i] < slack for every i.
  *   append_blocks(ids, new_block_ids, requests) -> None
  *       for each i with new_block_ids[i] not None and ids[i] in requests: each group's
  *       list of that state's block_ids extended by the group's new ids (zip: the shorter
@@ -19,7 +22,12 @@
  *
  * Why C: in Python each is one C-level map or zip over a thousand ids, four of them per
  * ordinary decode step at about 60 us each (bench/bench_batch.py, 1,024 requests); here
- * each is one loop with the dict probes on the ids' cached hashes.
+ * each is one loop. The ids are vLLM's request id strings, scattered over the heap
+ * between their requests' token lists: a probe reads the string's cached hash, a cache
+ * miss per id once the engine's step has been through memory. tokens_after avoids it
+ * where it can: while the dict's keys, in order, are the ids themselves (vLLM fills it
+ * running requests first, in the order it lists them), each value is read from the dict's
+ * entries as they come.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,10 +75,18 @@ static PyObject *tokens_after(PyObject *self, PyObject *args) {
     if (out == NULL || zero == NULL)
         goto fail;
     PyObject **id = PySequence_Fast_ITEMS(fi), **b = PySequence_Fast_ITEMS(fb);
+    Py_ssize_t pos = 0;
+    int aligned = 1; /* so far the dict's keys in order are the ids themselves */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *s = PyDict_GetItemWithError(scheduled, id[i]); /* borrowed */
-        if (s == NULL && PyErr_Occurred())
-            goto fail;
+        PyObject *key, *s = NULL;
+        if (aligned && PyDict_Next(scheduled, &pos, &key, &s) && key == id[i]) {
+            /* s: this id's value, read from the dict's entries in order, no hashing */
+        } else {
+            aligned = 0;
+            s = PyDict_GetItemWithError(scheduled, id[i]); /* borrowed */
+            if (s == NULL && PyErr_Occurred())
+                goto fail;
+        }
         PyObject *v = PyNumber_Add(b[i], s != NULL ? s : zero);
         if (v == NULL)
             goto fail;
@@ -88,9 +104,15 @@ fail:
     return NULL;
 }
 
+/* a number as a double (exact for the token counts here, below 2**53); -1.0 with an error set */
+static double as_double(PyObject *x) {
+    return PyLong_CheckExact(x) ? PyLong_AsDouble(x) : PyFloat_AsDouble(x);
+}
+
 static PyObject *note_running(PyObject *self, PyObject *args) {
     PyObject *ids, *computed, *known, *store_at, *fi, *fc, *out;
     Py_ssize_t n;
+    double slack = Py_HUGE_VAL;
     if (!PyArg_ParseTuple(args, "OOOO:note_running", &ids, &computed, &known, &store_at))
         return NULL;
     if (need_dict(known, "known") < 0 || need_dict(store_at, "store_at") < 0 ||
@@ -112,6 +134,11 @@ static PyObject *note_running(PyObject *self, PyObject *args) {
         int reached = PyObject_RichCompareBool(c[i], bound, Py_GE);
         if (reached < 0)
             goto fail;
+        double b = as_double(bound), now = as_double(c[i]);
+        if ((b == -1.0 || now == -1.0) && PyErr_Occurred())
+            goto fail;
+        if (b - now < slack)
+            slack = b - now;
         if (reached) {
             PyObject *index = PyLong_FromSsize_t(i);
             if (index == NULL || PyList_Append(out, index) < 0) {
@@ -123,12 +150,46 @@ static PyObject *note_running(PyObject *self, PyObject *args) {
     }
     Py_DECREF(fi);
     Py_DECREF(fc);
-    return out;
+    return Py_BuildValue("(Nd)", out, slack);
 fail:
     Py_XDECREF(out);
     Py_DECREF(fi);
     Py_DECREF(fc);
     return NULL;
+}
+
+static PyObject *advance_below(PyObject *self, PyObject *args) {
+    PyObject *computed, *at_pass, *fc, *fa;
+    double slack;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOd:advance_below", &computed, &at_pass, &slack))
+        return NULL;
+    if (fast_pair(computed, at_pass, &fc, &fa, &n) < 0)
+        return NULL;
+    PyObject **c = PySequence_Fast_ITEMS(fc), **a = PySequence_Fast_ITEMS(fa);
+    int below = 1;
+    for (Py_ssize_t i = 0; i < n && below; i++) {
+        int overflow_c = 0, overflow_a = 0;
+        long long now = PyLong_CheckExact(c[i]) ? PyLong_AsLongLongAndOverflow(c[i], &overflow_c) : 0;
+        long long then = PyLong_CheckExact(a[i]) ? PyLong_AsLongLongAndOverflow(a[i], &overflow_a) : 0;
+        double advance;
+        if (PyLong_CheckExact(c[i]) && PyLong_CheckExact(a[i]) && !overflow_c && !overflow_a &&
+            now < (1LL << 53) && now > -(1LL << 53) && then < (1LL << 53) && then > -(1LL << 53)) {
+            advance = (double)(now - then);
+        } else {
+            double x = as_double(c[i]), y = as_double(a[i]);
+            if ((x == -1.0 || y == -1.0) && PyErr_Occurred()) {
+                Py_DECREF(fc);
+                Py_DECREF(fa);
+                return NULL;
+            }
+            advance = x - y;
+        }
+        below = advance < slack;
+    }
+    Py_DECREF(fc);
+    Py_DECREF(fa);
+    return PyBool_FromLong(below);
 }
 
 /* each group's list in state.block_ids extended by new's (zip of the two) */
@@ -195,7 +256,9 @@ fail:
 static PyMethodDef methods[] = {
     {"tokens_after", tokens_after, METH_VARARGS, "before[i] + scheduled.get(ids[i], 0) for each i."},
     {"note_running", note_running, METH_VARARGS,
-     "known[ids[i]] = computed[i]; the indices where computed[i] >= store_at[ids[i]]."},
+     "known[ids[i]] = computed[i]; the indices where computed[i] >= store_at[ids[i]], the slack."},
+    {"advance_below", advance_below, METH_VARARGS,
+     "Whether computed[i] - at_pass[i] < slack for every i."},
     {"append_blocks", append_blocks, METH_VARARGS,
      "Each running request's new device blocks appended to its state's block_ids."},
     {NULL, NULL, 0, NULL},

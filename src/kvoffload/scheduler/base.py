@@ -100,6 +100,12 @@ class SchedulerBase:
         # on every other path)
         self._store_at: dict[str, float] = {}
         self._running_computed: dict[str, int] = {}
+        # A quiet decode step reads neither (``Stores._note_running``): the running ids,
+        # their computed tokens and the slack of the last pass over them, while no store
+        # bound changed since (``None`` otherwise: any write to ``_store_at`` resets it);
+        # and the running lists not yet folded into ``_running_computed``
+        self._quiet: tuple[list[str], list[int], float] | None = None
+        self._unfolded: tuple[list[str], list[int]] | None = None
         self._reuse = ReuseFilter(store_threshold, store_threshold_memory)
         self.offload_prompt_only = offload_prompt_only
         self.stats = SchedulerStats()
@@ -119,11 +125,21 @@ class SchedulerBase:
 
     def _computed_tokens(self, req_id: str, state: RequestState) -> int:
         """The most tokens whose KV the request had (``RequestState.computed_tokens``)."""
+        self._fold_running()
         state.computed_tokens = max(state.computed_tokens, self._running_computed.pop(req_id, 0))
         return state.computed_tokens
 
+    def _fold_running(self) -> None:
+        """``_running_computed`` brought up to date with the last quiet steps' counts."""
+        if self._unfolded is not None:
+            ids, computed = self._unfolded
+            self._unfolded = None
+            self._running_computed.update(zip(ids, computed))
+
     def _forget(self, req_id: str) -> None:
         """The request is gone from ``_requests``: drop what the decode steps keep of it."""
+        self._fold_running()
+        self._quiet = None
         self._store_at.pop(req_id, None)
         self._running_computed.pop(req_id, None)
 

@@ -158,6 +158,7 @@ class Completion(SchedulerBase):
             state.stored_blocks = [0] * len(self.groups)
             state.loaded_range = []
             self._store_at[state.request.request_id] = 0
+            self._quiet = None
             self._finish(state)  # no request's lifecycle spans a reset
         self._wire_events += self._events.convert(self.manager.take_events())
         self.manager.reset()

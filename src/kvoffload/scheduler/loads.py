@@ -173,6 +173,7 @@ class Loads(SchedulerBase):
             state.keys, state.loaded_blocks = [[] for _ in range(n)], [0] * n
             self._requests[request.request_id] = state
             self._store_at[request.request_id] = 0  # nothing offered yet: look at its first step
+            self._quiet = None
             self.manager.on_new_request(context)
         return state
 

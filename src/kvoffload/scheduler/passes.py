@@ -11,22 +11,27 @@ extension ``kvoffload.scheduler._passes`` was built, in C with identical answers
   each ``i``, as a new list.
 - ``note_running(ids, computed, known, store_at)``: sets ``known[ids[i]] = computed[i]``
   for each ``i`` in order, and returns the indices ``i`` (ascending) where
-  ``computed[i] >= store_at[ids[i]]`` (an id missing from ``store_at`` never reaches).
+  ``computed[i] >= store_at[ids[i]]`` (an id missing from ``store_at`` never reaches),
+  and the slack: the least ``store_at[ids[i]] - computed[i]`` as a float (``inf`` where
+  none has a bound).
+- ``advance_below(computed, at_pass, slack)``: whether ``computed[i] - at_pass[i] <
+  slack`` for every ``i``. With the slack a pass found nobody reached at (a positive
+  one), none of the same ids has reached since unless this is false, bounds unchanged.
 - ``append_blocks(ids, new_block_ids, requests)``: for each ``i`` whose
   ``new_block_ids[i]`` is not ``None`` and whose id is in ``requests``, extends each
   group's list of that state's ``block_ids`` by the group's new ids (``zip``: the
   shorter of the two decides).
 
-``ids``, ``before``, ``computed`` and ``new_block_ids`` must be lists or tuples of one
-length (``ValueError`` otherwise); ``scheduled``, ``known``, ``store_at`` and
-``requests`` dicts.
+The sequences given together must be lists or tuples of one length (``ValueError``
+otherwise); ``scheduled``, ``known``, ``store_at`` and ``requests`` dicts; counts and
+bounds ints (or floats, such as ``inf``) below 2**53.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import add, ge, is_not
+from operator import add, ge, is_not, lt, sub
 from typing import Any
 
 _NEVER = float("inf")
@@ -44,10 +49,17 @@ def tokens_after(ids: Sequence[str], before: Sequence[int], scheduled: dict[str,
 
 def note_running(
     ids: Sequence[str], computed: Sequence[int], known: dict[str, int], store_at: dict[str, float]
-) -> list[int]:
+) -> tuple[list[int], float]:
     _same_length(ids, computed)
     known.update(zip(ids, computed))
-    return list(compress(range(len(ids)), map(ge, computed, map(store_at.get, ids, repeat(_NEVER)))))
+    bounds = list(map(store_at.get, ids, repeat(_NEVER)))
+    slack = min(map(sub, bounds, computed), default=_NEVER)
+    return list(compress(range(len(ids)), map(ge, computed, bounds))), float(slack)
+
+
+def advance_below(computed: Sequence[int], at_pass: Sequence[int], slack: float) -> bool:
+    _same_length(computed, at_pass)
+    return all(map(lt, map(sub, computed, at_pass), repeat(slack)))
 
 
 def append_blocks(ids: Sequence[str], new_block_ids: Sequence[Any], requests: dict[str, Any]) -> None:
@@ -60,9 +72,11 @@ def append_blocks(ids: Sequence[str], new_block_ids: Sequence[Any], requests: di
 
 
 python_tokens_after, python_note_running, python_append_blocks = tokens_after, note_running, append_blocks
+python_advance_below = advance_below
 
 try:
     from kvoffload.scheduler._passes import (  # type: ignore[no-redef] # noqa: F401
+        advance_below,
         append_blocks,
         note_running,
         tokens_after,

@@ -34,7 +34,7 @@ from operator import is_not
 
 from kvoffload.keys import OffloadKey
 from kvoffload.scheduler.blocks import device_spec
-from kvoffload.scheduler.passes import append_blocks, note_running
+from kvoffload.scheduler.passes import advance_below, append_blocks, note_running
 from kvoffload.scheduler.running import _NEVER, Flat, RunningStores, _one
 from kvoffload.scheduler.state import RequestState
 from kvoffload.scheduler.types import RunningRequests, StepPlan, StepRequest, TransferJob
@@ -47,6 +47,9 @@ Offer = tuple[str, RequestState, Sequence[bytes], list[Candidate]]
 
 class Stores(RunningStores):
     """``build_step`` of the ``OffloadingScheduler``."""
+
+    # False: every step's running requests go through the full pass (the reference path)
+    quiet_steps = True
 
     def build_step(
         self,
@@ -90,14 +93,7 @@ class Stores(RunningStores):
         if new_block_ids is not None and new_block_ids.count(None) != len(new_block_ids):
             self._append_blocks(ids, new_block_ids)  # (most decode steps give none: one C scan)
         if ids:
-            # one loop (kvoffload.scheduler.passes): the computed tokens said last (a running
-            # request's only grow but for rejected draft tokens, whose KV never counted), and
-            # who reached its next store
-            known = self._running_computed
-            reached = note_running(ids, computed, known, store_at)
-            if len(known) > len(self._requests):  # ids of requests it does not know
-                for req_id in [r for r in known if r not in self._requests]:
-                    del known[req_id]
+            reached = self._note_running(ids, computed)
             if reached:
                 pairs = [(ids[i], computed[i]) for i in reached]
                 if flat_group is None:
@@ -121,6 +117,28 @@ class Stores(RunningStores):
         plan.hold_blocks, self._hold = self._hold, {}
         plan.flush, self._flush = self._flush, {}
         return plan
+
+    def _note_running(self, ids: Sequence[str], computed: Sequence[int]) -> list[int]:
+        """The computed tokens of the running requests noted (a running request's only grow
+        but for rejected draft tokens, whose KV never counted); the indices of those that
+        reached their next store bound.
+
+        One C loop over the ids and the scheduler's tables (``passes.note_running``), unless
+        the step is quiet: the same ids as the last pass, no store bound written since, and
+        none of them advanced by the pass's slack (the least gap to a bound then). Then
+        nobody reached, and the counts are kept to be folded in when read."""
+        quiet = self._quiet if self.quiet_steps else None
+        if quiet is not None and quiet[0] == ids and advance_below(computed, quiet[1], quiet[2]):
+            self._unfolded = (quiet[0], list(computed))
+            return []
+        self._fold_running()
+        known = self._running_computed
+        reached, slack = note_running(ids, computed, known, self._store_at)
+        if len(known) > len(self._requests):  # ids of requests it does not know
+            for req_id in [r for r in known if r not in self._requests]:
+                del known[req_id]
+        self._quiet = None if reached else (list(ids), list(computed), slack)
+        return reached
 
     def _append_blocks(self, ids: Sequence[str], new_block_ids: Sequence) -> None:
         """The device blocks a decode step gave some of the running requests."""
@@ -296,6 +314,7 @@ class Stores(RunningStores):
             prompt = state.request.num_prompt_tokens
             ends = [end for end in ends if end <= prompt]
         self._store_at[req_id] = min(ends, default=_NEVER)
+        self._quiet = None
 
     def _reserve(self, candidates: list[tuple[int, int, OffloadKey, Sequence[int]]]):
         """``prepare_store`` of the candidates, or of the leading part by token position
