@@ -43,7 +43,7 @@ class Job:
     parts: list[tuple[str, list[OffloadKey]]] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request: RequestView
     context: RequestContext
