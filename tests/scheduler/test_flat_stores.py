@@ -10,28 +10,7 @@ import pytest
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored
 from kvoffload.scheduler import KVGroup, OffloadingScheduler, RunningRequests, StepRequest
-from scheduler_requests import HASHER, Req
-
-
-class Recording(CPUOffloadingManager):
-    """The CPU tier, recording what the scheduler asked of it and each request's end."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls = []
-
-    def prepare_store(self, keys):
-        out = super().prepare_store(keys)
-        self.calls.append(("prepare_store", list(keys), None if out is None else list(out.keys_to_store)))
-        return out
-
-    def complete_store(self, keys, success=True):
-        self.calls.append(("complete_store", list(keys), success))
-        super().complete_store(keys, success)
-
-    def on_request_finished(self, request, key_groups, inserted, reused):
-        self.calls.append(("finished", request.request_id, key_groups, sorted(inserted), sorted(reused)))
-        super().on_request_finished(request, key_groups, inserted, reused)
+from scheduler_requests import HASHER, Recording, Req
 
 
 class Extra:
@@ -57,6 +36,10 @@ CASES = {
     "requests the scheduler hashes": {"unhashed": True},
     "failed stores": {"fail": True},
     "a salted tenant": {"salted": True},
+    "prompts computed a block a step": {"chunked": True, "salted": True},
+    "a loaded prefix computed a block a step": {"chunked": True, "loaded": True},
+    "requests finishing with their stores in flight": {"finish_at": 4},
+    "requests finishing with their stores failing": {"finish_at": 8, "fail": True},
 }
 
 
@@ -71,11 +54,16 @@ def drive(
     unhashed=False,
     fail=False,
     salted=False,
+    finish_at=None,
+    chunked=False,
 ):
     """Eight requests computing their prompts and decoding 30 tokens, five of them in
     lockstep, all but one in the cheap form (``RunningRequests``; the other one is handed
     over as a ``StepRequest``, with new device blocks every fifth step), the tier reset
-    half-way: per step, what was planned."""
+    half-way (``finish_at``: two lockstep requests finish at that step, before its jobs
+    complete; ``chunked``: the engine says a block more computed each step until its prompt
+    is): per step, what was planned. The reference (``batch=False``) converts tier
+    events run by run too (``one_block_runs``)."""
     manager = Recording(num_blocks, "lru", enable_events=True)
     sched = OffloadingScheduler(
         manager,
@@ -86,7 +74,9 @@ def drive(
         block_extra_keys=Extra() if salted else None,
     )
     sched.batch_stores = batch
+    sched._events.one_block_runs = batch
     trace = []
+    ends = []  # (finish_at) each step's freeable requests, and the finished ones' answers
     if loaded:  # an earlier turn stored the first three blocks every request starts with
         first = Req("w", list(range(12)), hashed=not unhashed)
         sched.match(first, 0)
@@ -121,9 +111,11 @@ def drive(
         scheduled, ids, computed, new = [], [], [], []
         for req in requests:
             tokens = len(req.all_token_ids) if step else req.num_prompt_tokens
-            if req is late and step == 0:
+            if chunked:
+                tokens = min(tokens, 4 * (step + 1))
+            if req is late and step == 0 and not chunked:  # (chunked: its block 0 in the one pass)
                 scheduled.append(StepRequest(req.request_id, None, tokens))
-            elif req is late and step % 5 == 0:
+            elif req is late and step and step % 5 == 0:
                 blocks = list(range(next_block, next_block + 2))
                 next_block += 2
                 scheduled.append(StepRequest(req.request_id, [blocks], tokens))
@@ -138,9 +130,13 @@ def drive(
                 for job in plan.loads + plan.stores
             ]
         )
+        if step == finish_at:
+            ends.append([(req.request_id, sched.request_finished(req.request_id)) for req in requests[1:3]])
+            del requests[1:3]
         results = [(job.job_id, True) for job in plan.loads]
         results += [(job.job_id, not (fail and job.job_id % 3 == 0)) for job in plan.stores]
         sched.complete_jobs(results)
+        ends.append(sorted(sched.take_freeable()))
         if step == 15:  # every request offers its blocks from the first again
             sched.reset()
         trace.append([tuple(msgspec.structs.astuple(e)) for e in sched.take_events()])
@@ -150,7 +146,7 @@ def drive(
                 req.block_hashes = HASHER.hash_request(req.all_token_ids, 4)
     for req in requests:
         assert not sched.request_finished(req.request_id)
-    return trace, manager.calls, manager.stats(), sched.stats
+    return trace, manager.calls, manager.stats(), sched.stats, ends
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -161,6 +157,11 @@ def test_one_pass_plans_what_request_by_request_plans(case):
     assert flat[1] == reference[1]  # tier calls and request ends
     assert flat[2] == reference[2]
     assert flat[3] == reference[3]
+    assert flat[4] == reference[4]
+    if CASES[case].get("finish_at"):  # held while their store ran, then freed
+        (answers,) = [e for e in flat[4] if e and isinstance(e[0], tuple)]
+        assert answers == [("r1", True), ("r2", True)]
+        assert ["r1", "r2"] in flat[4]
     if not CASES[case].get("prompt_only"):  # (else nothing is stored past the prompts)
         # the lockstep requests completed blocks together: a decode step stored them in one job
         assert any(job[1] == "" for plan in flat[0][2::2] for job in plan)

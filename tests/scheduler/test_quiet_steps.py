@@ -12,27 +12,8 @@ import random
 import msgspec
 import pytest
 
-from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.scheduler import KVGroup, OffloadingScheduler, RunningRequests, StepRequest
-from scheduler_requests import HASHER, Req
-
-
-class Recording(CPUOffloadingManager):
-    """The CPU tier, recording the stores asked of it and each request's end."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls = []
-
-    def prepare_store(self, keys):
-        out = super().prepare_store(keys)
-        self.calls.append(("prepare_store", list(keys), None if out is None else list(out.keys_to_store)))
-        return out
-
-    def on_request_finished(self, request, key_groups, inserted, reused):
-        self.calls.append(("finished", request.request_id, key_groups, sorted(inserted), sorted(reused)))
-        super().on_request_finished(request, key_groups, inserted, reused)
-
+from scheduler_requests import HASHER, Recording, Req
 
 ONE_GROUP = (KVGroup(4),)
 

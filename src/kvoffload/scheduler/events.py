@@ -15,6 +15,10 @@ records that (``remember``) when it reserves the store, and this converter fills
   block (``kvoffload.keys.event_extra_keys``: LoRA name, ``(mm identifier, offset)``
   pairs, the cache salt on the first block; ``None`` for a block without any), left out
   when no block of the event has any; and ``lora_name`` for an adapter's blocks.
+  An event whose keys are each a run of one block (a decode step's blocks of many requests)
+  is converted in one pass with its hashes read as arrays, into exactly the events of
+  finding its runs one by one (``one_block_runs = False`` keeps that path;
+  ``tests/scheduler/test_event_runs.py`` compares them).
 * ``BlockRemoved`` for every eviction, one event per group.
 * ``AllBlocksCleared`` when the scheduler resets the tier.
 
@@ -31,7 +35,11 @@ with ``ownership="mooncake"``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import repeat
+from operator import eq, is_, itemgetter, ne
 from typing import Any
+
+import numpy as np
 
 from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvoffload.keys import GROUP_BYTES, OffloadKey, event_extra_keys, external_hash
@@ -56,6 +64,8 @@ WIRE_TIERS: dict[str, tuple[str, str | None, str | None]] = {
 # tokens are sliced when announced.
 _Record = tuple[bytes | None, Sequence[int], int, int, "tuple[Any, ...] | None"]
 _UNKNOWN: _Record = (None, (), 0, 0, None)
+_PARENT = itemgetter(0)
+_EXTRA = itemgetter(4)
 
 
 class EventConverter:
@@ -78,6 +88,8 @@ class EventConverter:
         self._groups = list(groups)
         self._factor = blocks_per_offload_block
         self._pending: dict[OffloadKey, _Record] = {}
+        # False: every event's runs found and built one by one (the reference path)
+        self.one_block_runs = True
         classes = classes or {}
         self._stored_type = classes.get(BlockStored, BlockStored)
         self._removed_type = classes.get(BlockRemoved, BlockRemoved)
@@ -138,15 +150,25 @@ class EventConverter:
         return [removed(hashes, medium, group, locality, ownership) for group, hashes in by_group.items()]
 
     def _stored(self, event: OffloadingEvent) -> list[BlockStored]:
-        out: list[BlockStored] = []
+        keys = event.keys
+        pending = self._pending
+        infos = list(map(pending.get, keys, repeat(_UNKNOWN)))
+        wire = WIRE_TIERS.get(event.medium, (event.medium, None, None))
+        if (
+            self.one_block_runs
+            and len(keys) > 1
+            and self.mode == "self_describing"
+            and not any(map(is_, infos, repeat(_UNKNOWN)))
+        ):
+            out = self._one_block_events(keys, infos, wire)
+            if out is not None:
+                return out
+        out = []
         run: list[tuple[bytes, tuple]] = []
         run_group = b""  # the group suffix of the run's keys
-        pending = self._pending
-        wire = WIRE_TIERS.get(event.medium, (event.medium, None, None))
-        for key in event.keys:
+        for key, info in zip(keys, infos):
             group = key[-GROUP_BYTES:]
             block_hash = key[:-GROUP_BYTES]
-            info = pending.get(key, _UNKNOWN)
             # a run continues with the next block of a chain (its parent is the previous
             # block), or with another block of no record (announced as placeholders)
             if run and (
@@ -160,6 +182,57 @@ class EventConverter:
         if run:
             out.append(self._stored_event(run, int.from_bytes(run_group, "big"), wire))
         return out
+
+    def _one_block_events(
+        self, keys: Sequence[OffloadKey], infos: list[_Record], wire: tuple[str, str | None, str | None]
+    ) -> list[BlockStored] | None:
+        """``_stored_event`` of each key's run of one block (a decode step's blocks of many
+        requests), with the hashes read as arrays; ``None`` (for the general pass) unless
+        every key is one of a known group and no key's parent may be the key before it."""
+        count, size = len(keys), len(keys[0])
+        rows = _rows(keys, size)
+        if rows is None or size < GROUP_BYTES + 8 or (rows[:, -GROUP_BYTES:] != rows[0, -GROUP_BYTES:]).any():
+            return None
+        group = int.from_bytes(keys[0][-GROUP_BYTES:], "big")
+        if group >= len(self._groups):
+            return None
+        spec = self._groups[group]
+        hashes = _low64(rows, size - GROUP_BYTES)  # (``external_hash``: the low 64 bits)
+        parents = list(map(_PARENT, infos))
+        rows = None if any(map(is_, parents, repeat(None))) else _rows(parents, len(parents[0]))
+        if rows is not None and len(parents[0]) >= 8:
+            parents = _low64(rows, len(parents[0]))
+        else:
+            parents = [None if p is None else int.from_bytes(p[-8:], "big") for p in parents]
+        if any(map(eq, parents[1:], hashes)):  # perhaps the next block of a chain
+            return None
+        tokens = [t[start:end] for _, t, start, end, _ in infos]
+        if not all(map(is_, map(type, tokens), repeat(list))):
+            tokens = [t if type(t) is list else list(t) for t in tokens]
+        extra_keys = list(map(_EXTRA, infos))
+        if extra_keys.count(None) == count:
+            loras = extras = repeat(None)
+        else:
+            loras = map(_lora_name, extra_keys)
+            extras = [None if e is None else [event_extra_keys(e)] for e in extra_keys]
+        return list(
+            map(
+                self._stored_type,
+                [[h] for h in hashes],
+                parents,
+                tokens,
+                repeat(spec.block_size * self._factor),
+                repeat(None),
+                repeat(wire[0]),
+                loras,
+                extras,
+                repeat(group),
+                repeat(spec.kind),
+                repeat(spec.sliding_window),
+                repeat(wire[1]),
+                repeat(wire[2]),
+            )
+        )
 
     def _stored_event(
         self, run: list[tuple[bytes, tuple]], group: int, wire: tuple[str, str | None, str | None]
@@ -207,6 +280,18 @@ def _lora_name(extra_keys: tuple[Any, ...] | None) -> str | None:
         if key[0] == "lora":
             return key[1]
     return None
+
+
+def _rows(items: Sequence[bytes], size: int) -> np.ndarray | None:
+    """The items (bytes of ``size`` each) as the rows of an array; ``None`` if any is not."""
+    if any(map(ne, map(len, items), repeat(size))):  # (lengths that only add up are not rows)
+        return None
+    return np.frombuffer(b"".join(items), np.uint8).reshape(len(items), size)
+
+
+def _low64(rows: np.ndarray, end: int) -> list[int]:
+    """Each row's bytes ``[end - 8, end)`` as a big-endian unsigned int."""
+    return np.ascontiguousarray(rows[:, end - 8 : end]).view(">u8").ravel().tolist()
 
 
 def _split(key: OffloadKey) -> tuple[int, bytes]:
