@@ -35,12 +35,25 @@ def releases() -> list[str]:
     return ["installed", *found]
 
 
+def release_cache(release: str) -> Path:
+    """vLLM's cache folder for a release's driver, beside the installed release's own: vLLM
+    caches what it learns of a model class in a file named after the class and checked
+    against a hash of its module, which differs between releases. In one folder each
+    release replaced the others' entry, and each next engine start, of these drivers or of
+    the in-process 0.32 engines after them, re-learnt it in a subprocess importing vLLM
+    (about 10 s)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm"
+    return Path(os.environ.get("VLLM_CACHE_ROOT", default)).expanduser() / "releases" / release
+
+
 @pytest.mark.parametrize("release", releases())
 def test_connector_in_the_releases_own_scheduler(release, tiny_llama):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(RELEASES / release) if release != "installed" else "", str(ROOT / "src"),
     ]))}  # fmt: skip
     env.pop("LD_PRELOAD", None)  # what an in-process vLLM engine of an earlier test left here
+    if release != "installed":
+        env["VLLM_CACHE_ROOT"] = str(release_cache(release))
     proc = subprocess.run(
         [sys.executable, str(DRIVER), tiny_llama, *CASES],
         capture_output=True,
