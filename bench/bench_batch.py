@@ -31,6 +31,7 @@ by default (kvoffload's default also stores the blocks decoding fills).
 
     .venv/bin/python bench/bench_batch.py [--requests 256,1024] [--tokens 8192,32768]
         [--decode 32] [--new 256] [--reps 2] [--kvoffload-extra JSON] [--profile kvoffload|vllm]
+        [--per-step]
 """
 
 from __future__ import annotations
@@ -228,7 +229,10 @@ def drain(sched: Scheduler, which: str, limit: int = 100_000) -> None:
     raise RuntimeError("the requests did not finish")
 
 
-def run_case(model, which, n, tokens, decode, new, more, profile=False) -> dict[str, float]:
+PER_STEP_KINDS = ("metadata", "finished", "events")
+
+
+def run_case(model, which, n, tokens, decode, new, more, profile=False, per_step=False) -> dict[str, float]:
     blocks = n * (tokens + decode + BLOCK) // BLOCK + 1024
     sched = make_scheduler(model, which, blocks, n, tokens + decode + BLOCK, more)
     hasher = get_request_block_hasher(BLOCK, sha256)
@@ -269,6 +273,15 @@ def run_case(model, which, n, tokens, decode, new, more, profile=False) -> dict[
             vllm_decode += seconds
             for kind, s in spent.items():
                 decode_spent[kind] += s
+            if per_step:
+                print(
+                    f"per-step {which} {n} x {tokens} decode step {decode_steps}: "
+                    + " / ".join(
+                        f"{spent.get(kind, 0.0) * 1e6:,.0f}" for kind in ("metadata", "finished", "events")
+                    )
+                    + " us (metadata / finished / events)",
+                    file=sys.stderr,
+                )
         else:
             other += sum(spent.values())
         if steps > 100_000:
@@ -302,6 +315,9 @@ def main() -> int:
     parser.add_argument(
         "--profile", choices=tuple(CONNECTORS), help="cProfile one's decode steps on (batch-<name>.prof)"
     )
+    parser.add_argument(
+        "--per-step", action="store_true", help="each decode step's connector us (first turn), on stderr"
+    )
     args = parser.parse_args()
     init_none_hash(sha256)
     which_all = args.connectors.split(",")
@@ -329,7 +345,17 @@ def main() -> int:
                         profile = args.profile == which and rep == 0
                         more = json.loads(args.kvoffload_extra) if which == "kvoffload" else {}
                         runs[which].append(
-                            run_case(model, which, n, tokens, args.decode, args.new, more, profile)
+                            run_case(
+                                model,
+                                which,
+                                n,
+                                tokens,
+                                args.decode,
+                                args.new,
+                                more,
+                                profile,
+                                args.per_step and rep == 0,
+                            )
                         )
                 med = {w: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for w, rs in runs.items()}
                 base = med.get("vllm")
