@@ -65,9 +65,10 @@ class CPULoadStoreSpec(LoadStoreSpec):
 
     @property
     def block_ids(self) -> np.ndarray:
-        if self._array is None:
-            self._array, self._ids = np.asarray(self._ids, dtype=np.int64), None
-        return self._array
+        array = self._array
+        if array is None:  # (the ids stay: a second thread reading now makes an equal array)
+            array = self._array = np.asarray(self._ids, dtype=np.int64)
+        return array
 
     def __repr__(self) -> str:
         return f"CPULoadStoreSpec({self.block_ids.tolist()})"
