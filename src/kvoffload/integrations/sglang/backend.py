@@ -31,6 +31,7 @@ Mooncake tiers hold the pages below it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -222,7 +223,9 @@ class KVOffloadStorage(HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         self._interface("batch_set", False)
         tiers, okeys = self._ready(), _page_keys(keys)
         values = list(values) if values is not None else []
@@ -272,10 +275,8 @@ class KVOffloadStorage(HiCacheStorage):
             self._publisher.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     # -- every call's end ---------------------------------------------------------------------
 
@@ -290,7 +291,7 @@ class KVOffloadStorage(HiCacheStorage):
             now = time.monotonic()
             if now - self._last_log >= _LOG_EVERY_S:
                 self._last_log = now
-                logger.exception("kvoffload %s failed (%d errors so far); answered as misses", method, self.errors)
+                logger.exception("kvoffload %s failed (%d errors so far): misses", method, self.errors)
             return failed
         finally:
             self._publish()

@@ -87,7 +87,8 @@ STORAGE_CONFIG = Schema((
         "that is down answers at once: a miss)"),
     Key("kv_events_endpoint", ENDPOINT, None,
         "where the pages' `BlockStored`/`BlockRemoved` events are published (ZMQ PUB, bound; by the first "
-        "tensor-parallel rank; a data-parallel rank adds its rank to the port as vLLM does); none: no events"),
+        "tensor-parallel rank; a data-parallel rank adds its rank to the port as vLLM does); none: no "
+        "events"),
     Key("kv_events_replay_endpoint", ENDPOINT, None,
         "the publisher's replay endpoint (ZMQ ROUTER, bound), for subscribers that missed events"),
     Key("kv_events_topic", text("string", "be a string", lambda v: True), "",

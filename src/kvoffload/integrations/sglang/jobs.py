@@ -15,6 +15,7 @@ reported to ``meter`` (a ``kvoffload.metrics.TransferMeter``) with its blocks.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -60,7 +61,5 @@ class JobRunner:
                 result = self._done.pop(job_id, None)
             if result is not None:
                 return result
-            try:
+            with contextlib.suppress(TimeoutError):
                 self.worker.wait([job_id], timeout=_WAIT_S)
-            except TimeoutError:
-                pass

@@ -83,10 +83,14 @@ class PageViews:
         self.page_size = int(pool.page_size)
         if (self.kind, self.layout) not in _AXES:
             known = sorted(layout for kind, layout in _AXES if kind == self.kind)
-            raise ValueError(f"host pool layout {self.layout!r} is not supported for {self.kind.upper()}; known: {known}")
+            raise ValueError(
+                f"host pool layout {self.layout!r} is not supported for {self.kind.upper()}; known: {known}"
+            )
         buffer = pool.kv_buffer
         if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError(f"the host pool's kv_buffer must be a contiguous CPU tensor, got {type(buffer).__name__}")
+            raise ValueError(
+                f"the host pool's kv_buffer must be a contiguous CPU tensor, got {type(buffer).__name__}"
+            )
         axis, unit = _AXES[(self.kind, self.layout)]
         self.axis = axis  # of kv_buffer: its length is the pool's size, no part of a page
         self.dtype = str(buffer.dtype).removeprefix("torch.")
@@ -114,8 +118,9 @@ class PageViews:
                 f"got shape {tuple(indices.shape)}"
             )
         firsts = indices[::size].astype(np.int64)
-        if firsts.size and (np.any(firsts % size) or np.any(firsts < 0) or np.any(firsts // size >= self.num_blocks)):
-            bad = next(int(f) for f in firsts if f % size or f < 0 or f // size >= self.num_blocks)
+        wrong = (firsts % size != 0) | (firsts < 0) | (firsts // size >= self.num_blocks)
+        if wrong.any():
+            bad = int(firsts[np.argmax(wrong)])
             raise ValueError(
                 f"host_indices must start each page at a multiple of page_size {size} within the pool's "
                 f"{self.num_blocks} pages, got slot {bad}"
@@ -148,9 +153,8 @@ class StagingPages:
     def take(self, row: int, target: torch.Tensor) -> torch.Tensor:
         """Copy ``row`` into ``target`` (a flat page of any dtype, ``block_bytes`` in all)."""
         flat = target.view(-1)
-        if flat.numel() * flat.element_size() != self.block_bytes:
-            raise ValueError(
-                f"a page of {self.block_bytes} bytes was expected, got {flat.numel() * flat.element_size()} bytes"
-            )
+        size = flat.numel() * flat.element_size()
+        if size != self.block_bytes:
+            raise ValueError(f"a page of {self.block_bytes} bytes was expected, got {size} bytes")
         flat.view(torch.uint8).copy_(self.rows[row])
         return target
