@@ -10,13 +10,13 @@ import urllib.request
 
 import pytest
 import torch
-from redis_server import RedisServer
 from sglang_pools import backend, host_indices, mha_pool, page_bytes, page_keys
 
 from kvoffload.events.subscriber import EventSubscriber
 from kvoffload.events.types import BlockRemoved, BlockStored
 from kvoffload.index import BlockIndex
 from kvoffload.integrations.sglang.pages import PageViews
+from redis_server import RedisServer
 
 
 def redis(server: RedisServer, **extra) -> dict:
