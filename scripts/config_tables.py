@@ -6,7 +6,8 @@
 Each table lies between marker comments, ``<!-- keys:NAME -->`` and ``<!-- /keys:NAME -->``;
 only the text between them is rewritten. ``NAME`` is one of ``TABLES``: the connector's
 extra config (``kvoffload.integrations.vllm.config.EXTRA_CONFIG``, needs vLLM installed) and
-each built-in tier type's entry (``FS_KEYS``, ``REDIS_KEYS``, ``MOONCAKE_KEYS``). ``tests`` checks that
+each built-in tier type's entry (``FS_KEYS``, ``REDIS_KEYS``, ``MOONCAKE_KEYS``), and the SGLang
+backend's extra config (``kvoffload.integrations.sglang.config.STORAGE_CONFIG``). ``tests`` checks that
 README.md is what this script writes.
 """
 
@@ -52,9 +53,16 @@ def _mooncake() -> str:
     return MOONCAKE_KEYS.markdown('`"type": "mooncake"` key')
 
 
+def _sglang() -> str:
+    from kvoffload.integrations.sglang.config import STORAGE_CONFIG
+
+    return STORAGE_CONFIG.markdown("extra-config key")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "connector": _connector,
     "fs": _fs,
+    "sglang": _sglang,
     "redis": _redis,
     "mooncake": _mooncake,
 }

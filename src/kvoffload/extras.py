@@ -15,6 +15,7 @@ from types import ModuleType
 EXTRAS = {
     "torch": ("torch",),  # the transfer engine (worker side)
     "vllm": ("vllm", "torch"),  # the vLLM connector
+    "sglang": ("sglang", "torch"),  # the SGLang HiCache storage backend
     "redis": ("redis",),  # the shared Redis/Valkey tier
     "mooncake": ("mooncake",),  # the shared Mooncake Store tier
     "index": ("aiohttp",),  # the index's HTTP service

@@ -81,6 +81,7 @@ except ImportError as exc:
     "extra, module, call",
     [
         ("vllm", "kvoffload.integrations.vllm", ""),
+        ("sglang", "", "from kvoffload.integrations.sglang import KVOffloadStorage"),
         ("redis", "", "from kvoffload.tiers.redis.client import ServerSettings, connect\n"
                       "connect(ServerSettings('redis://127.0.0.1:1/0'))"),
         ("index", "", "from kvoffload.cli import main\nmain(['index', 'serve', '--port', '0'])"),

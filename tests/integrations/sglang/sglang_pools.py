@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 LAYERS, HEADS, HEAD_DIM, PAGE, TOKENS = 3, 2, 16, 4, 128
 MLA_DIM = 48
 DTYPE = torch.bfloat16
-MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 BACKEND = {
     "backend_name": "kvoffload",

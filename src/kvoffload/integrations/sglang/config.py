@@ -92,7 +92,7 @@ STORAGE_CONFIG = Schema((
     Key("kv_events_replay_endpoint", ENDPOINT, None,
         "the publisher's replay endpoint (ZMQ ROUTER, bound), for subscribers that missed events"),
     Key("kv_events_topic", text("string", "be a string", lambda v: True), "",
-        "the events' topic frame"),
+        "the events' topic frame", shown_default="empty"),
     Key("metrics_port", PORT, None,
         "serve kvoffload's Prometheus metrics on 127.0.0.1 at this port plus the tensor-parallel rank (0: a "
         "free port, logged); none: not served (the metrics are still registered in "
