@@ -39,10 +39,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
+from kvoffload.extras import require
+
+try:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+except ImportError:
+    for _module in ("torch", "sglang"):  # an ImportError naming the extra
+        require(_module, "sglang", "kvoffload's SGLang storage backend")
+    raise
 
 from kvoffload.events.types import AllBlocksCleared
-from kvoffload.extras import require
 from kvoffload.integrations.sglang.config import StorageSettings
 from kvoffload.integrations.sglang.events import PageEvents
 from kvoffload.integrations.sglang.identity import is_writer, page_identity, ranks_sharing_budget
@@ -51,12 +58,6 @@ from kvoffload.integrations.sglang.pages import PageViews, StagingPages
 from kvoffload.integrations.sglang.tiers import PageTiers
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.secondary import TierContext
-
-try:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
-except ImportError:
-    require("sglang", "sglang", "kvoffload's SGLang storage backend")  # (names the extra)
-    raise
 
 logger = logging.getLogger(__name__)
 
