@@ -122,7 +122,7 @@ class KVOffloadStorage(HiCacheStorage):
         self._metrics = StorageMetrics()
         self.tiers = PageTiers(tiers, context, pool, settings.eviction_policy, self._metrics.meter)
         self.views = views
-        self._metrics.attach(self.tiers, port=self._port())
+        self._metrics.attach(self.tiers, errors=lambda: self.errors, port=self._port())
         media = [manager.medium for manager in self.tiers.managers]
         self._events = PageEvents(views.page_size, media)
         if settings.kv_events_endpoint and self._publishes():

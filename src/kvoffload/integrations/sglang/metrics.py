@@ -5,7 +5,8 @@ per tier (labelled ``1:fs``, ``2:redis``, ... in configuration order) the lookup
 hits, evictions, capacity and blocks by state, the tier's own counters (corrupt blocks,
 probes, outages, ...) and its transfer jobs (``meter``: loads into and stores from
 SGLang's host pool); the backend's page counters (``tier_counter{tier="sglang"}``:
-pages asked, loaded, stored, declined, failed); the event publisher's counters. With a
+pages asked, loaded, stored, declined, failed, and ``errors``: calls answered as misses
+after an exception); the event publisher's counters. With a
 port, it also serves them over HTTP on 127.0.0.1 (``serve``; port 0 picks a free one,
 logged).
 """
@@ -35,10 +36,13 @@ class StorageMetrics:
         self._tiers: Any = None
         self._publisher: Any = None
         self._labels: dict[str, str] = {}
+        self._errors: Any = None
 
-    def attach(self, tiers: Any, port: int | None = None) -> None:
-        """Read ``tiers`` (a ``PageTiers``) from now on; serve on ``port`` if given."""
+    def attach(self, tiers: Any, errors: Any = None, port: int | None = None) -> None:
+        """Read ``tiers`` (a ``PageTiers``) and ``errors()`` (the backend's count of calls
+        answered as misses after an exception) from now on; serve on ``port`` if given."""
         self._tiers = tiers
+        self._errors = errors
         self._labels = tier_labels([m.medium for m in tiers.managers], tiers.names)
         self.meter.labels.update(self._labels)
         exporter.register(self)
@@ -57,6 +61,8 @@ class StorageMetrics:
             read_manager(samples, manager, self._labels)  # (its stats are ints: read without a lock)
             read_counters(samples, worker, self._labels.get(manager.medium, manager.medium.lower()), "worker")
         read_counters(samples, tiers, "sglang", "storage")
+        if self._errors is not None:
+            samples.add("tier_counter", self._errors(), ("sglang", "storage", "errors"))
         self.meter.read(samples)
         if self._publisher is not None:
             read_publisher(samples, self._publisher)
