@@ -6,7 +6,7 @@
 Each table lies between marker comments, ``<!-- keys:NAME -->`` and ``<!-- /keys:NAME -->``;
 only the text between them is rewritten. ``NAME`` is one of ``TABLES``: the connector's
 extra config (``kvoffload.integrations.vllm.config.EXTRA_CONFIG``, needs vLLM installed) and
-each built-in tier type's entry (``FS_KEYS``, ``REDIS_KEYS``, ``MOONCAKE_KEYS``), and the SGLang
+each built-in tier type's entry (``FS_KEYS``, ``REDIS_KEYS``, ``MOONCAKE_KEYS``, ``S3_KEYS``), and the SGLang
 backend's extra config (``kvoffload.integrations.sglang.config.STORAGE_CONFIG``). ``tests`` checks that
 README.md is what this script writes.
 """
@@ -53,6 +53,12 @@ def _mooncake() -> str:
     return MOONCAKE_KEYS.markdown('`"type": "mooncake"` key')
 
 
+def _s3() -> str:
+    from kvoffload.tiers.s3.tier import S3_KEYS
+
+    return S3_KEYS.markdown('`"type": "s3"` key')
+
+
 def _sglang() -> str:
     from kvoffload.integrations.sglang.config import STORAGE_CONFIG
 
@@ -65,6 +71,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "sglang": _sglang,
     "redis": _redis,
     "mooncake": _mooncake,
+    "s3": _s3,
 }
 
 

@@ -14,7 +14,8 @@ A ``redis-server`` a test started and left running (it failed before stopping it
 stopped after the test, by its PID (``redis_server.stop_leftovers``); so are a Mooncake
 store's processes (``mooncake_server.stop_leftovers``). Tests that start one carry the
 ``mooncake`` marker (their module imports ``MooncakeServer`` or they use the
-``mooncake_server`` fixture).
+``mooncake_server`` fixture). The same for SeaweedFS's ``weed`` (``s3_server.stop_leftovers``;
+marker ``s3``: the module imports ``S3Server`` or a test uses ``s3_server``/``s3_replicas``).
 
 vLLM runs in-process and offline in every test (set here, before any test module imports
 it: the engine starts in about 12 s instead of 28 s); ``tiny_llama`` is the tiny random
@@ -127,6 +128,15 @@ def _no_mooncake_server_outlives_its_test():
         sys.modules["mooncake_server"].stop_leftovers()
 
 
+@pytest.fixture(autouse=True)
+def _no_s3_server_outlives_its_test():
+    yield
+    import sys
+
+    if "s3_server" in sys.modules:  # only where a test used it
+        sys.modules["s3_server"].stop_leftovers()
+
+
 @pytest.fixture
 def worker_side():
     """Makes vLLM worker halves (``WorkerSide(...)``) and unregisters each one's metrics
@@ -154,3 +164,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.redis)
         if hasattr(module, "MooncakeServer") or "mooncake_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.mooncake)
+        s3_fixtures = {"s3_server", "s3_replicas"} & set(getattr(item, "fixturenames", ()))
+        if hasattr(module, "S3Server") or s3_fixtures:
+            item.add_marker(pytest.mark.s3)

@@ -18,6 +18,7 @@ EXTRAS = {
     "sglang": ("sglang", "torch"),  # the SGLang HiCache storage backend
     "redis": ("redis",),  # the shared Redis/Valkey tier
     "mooncake": ("mooncake",),  # the shared Mooncake Store tier
+    "s3": ("obstore",),  # the object-storage (S3 API) tier
     "index": ("aiohttp",),  # the index's HTTP service
     "plot": ("matplotlib",),  # the simulator's plots
 }

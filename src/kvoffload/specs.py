@@ -32,6 +32,7 @@ MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"  # the local-disk tier; its wire events say medium STORAGE, locality LOCAL
 MEDIUM_REMOTE = "REMOTE"  # the shared Redis/Valkey tier; wire: medium STORAGE, locality REMOTE
 MEDIUM_MOONCAKE = "MOONCAKE"  # the shared Mooncake Store tier; wire: medium STORAGE, locality REMOTE
+MEDIUM_OBJECT = "OBJECT"  # the object-storage (S3 API) tier; wire: medium STORAGE, locality REMOTE
 
 
 class LoadStoreSpec(ABC):

@@ -23,7 +23,8 @@ CORE = [
     "kvoffload.index", "kvoffload.index.core", "kvoffload.index.service", "kvoffload.sim",
     "kvoffload.sim.fleet", "kvoffload.sim.report", "kvoffload.metrics", "kvoffload.tiers.factory",
     "kvoffload.tiers.fs.tier", "kvoffload.tiers.fs.manager", "kvoffload.tiers.redis.tier",
-    "kvoffload.tiers.redis.manager", "kvoffload.cli", "kvoffload.faults", "kvoffload.worker",
+    "kvoffload.tiers.redis.manager", "kvoffload.tiers.s3.tier", "kvoffload.tiers.s3.manager",
+    "kvoffload.cli", "kvoffload.faults", "kvoffload.worker",
 ]  # fmt: skip
 
 PROBE = """
@@ -84,6 +85,8 @@ except ImportError as exc:
         ("sglang", "", "from kvoffload.integrations.sglang import KVOffloadStorage"),
         ("redis", "", "from kvoffload.tiers.redis.client import ServerSettings, connect\n"
                       "connect(ServerSettings('redis://127.0.0.1:1/0'))"),
+        ("s3", "", "from kvoffload.tiers.s3.store import S3Settings, ObjectStore\n"
+                   "ObjectStore(S3Settings('http://127.0.0.1:1', 'kvb'), 'x')"),
         ("index", "", "from kvoffload.cli import main\nmain(['index', 'serve', '--port', '0'])"),
         ("plot", "", "from kvoffload.sim.report import _draw\n_draw('x.png', 't', 'x', 'y', [], [])"),
     ],

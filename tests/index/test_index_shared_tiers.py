@@ -1,7 +1,8 @@
-"""The router index counts the blocks of either shared tier (Redis/Valkey, Mooncake Store)
-as the shared tier: kvoffload's scheduler converts their tier events (media ``"REMOTE"``
-and ``"MOONCAKE"``) to ``STORAGE``/``REMOTE`` with the tier named in ``ownership``, and
-the index files them under ``shared``, and drops them again on ``BlockRemoved``."""
+"""The router index counts the blocks of every shared tier (Redis/Valkey, Mooncake Store,
+object storage) as the shared tier: kvoffload's scheduler converts their tier events
+(media ``"REMOTE"``, ``"MOONCAKE"`` and ``"OBJECT"``) to ``STORAGE``/``REMOTE`` with the
+tier named in ``ownership``, and the index files them under ``shared``, and drops them
+again on ``BlockRemoved``."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from kvoffload.keys import BlockHasher, make_offload_key
 from kvoffload.manager import OffloadingEvent
 from kvoffload.scheduler.events import EventConverter
 from kvoffload.scheduler.types import KVGroup
-from kvoffload.specs import MEDIUM_MOONCAKE, MEDIUM_REMOTE
+from kvoffload.specs import MEDIUM_MOONCAKE, MEDIUM_OBJECT, MEDIUM_REMOTE
 
 MODEL, TENANT, BS = "m", "default", 16
 TOKENS = list(range(500, 500 + 8 * BS))
 
 
-@pytest.mark.parametrize("medium, ownership", [(MEDIUM_MOONCAKE, "mooncake"), (MEDIUM_REMOTE, "redis")])
+@pytest.mark.parametrize(
+    "medium, ownership", [(MEDIUM_MOONCAKE, "mooncake"), (MEDIUM_REMOTE, "redis"), (MEDIUM_OBJECT, "s3")]
+)
 def test_a_shared_tiers_blocks_are_the_shared_tier_of_the_index(medium, ownership) -> None:
     hashes = BlockHasher().hash_request(TOKENS, BS)
     keys = [make_offload_key(h, 0) for h in hashes]

@@ -119,7 +119,7 @@ def test_replay_disk_checks_its_arguments():
         medium = "REMOTE"
 
     tiers = TieredOffloadingManager(CPUOffloadingManager(2), [SimDiskTier(2), Remote(2)])
-    with pytest.raises(ValueError, match="one secondary tier, got 2"):
+    with pytest.raises(ValueError, match=r"a disk over an object tier, got \['DISK', 'REMOTE'\]"):
         replay_disk(tiers, keys, [0], [4], BLOCK)
 
 

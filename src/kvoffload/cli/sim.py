@@ -8,6 +8,10 @@ With ``--disk-capacities`` a disk tier sits below the host (CPU) tier
 table gives hit ratios of the device, CPU and disk tiers and GB read/written per tier, the
 cost model adds the disk read bandwidth (``--disk-bandwidth``), and the plot draws the hit
 ratio against the disk capacity. Belady has no two-tier replay and is left out there.
+``--object-capacity`` adds an object-storage tier (S3) below the disk tier
+(``kvoffload.sim.object_tier``), read at ``--object-bandwidth`` after ``--object-latency``
+per request, filled by write-through or, ``--object-writes on-eviction``, by the disk
+tier's evictions: the table gains its hit ratio and GB read/written.
 
 With ``--replicas N`` the trace is replayed over a fleet (``kvoffload.sim.fleet``): N
 engines, each with its own device tier (``--device-blocks``) and host tier (each
@@ -41,6 +45,7 @@ from kvoffload import metrics
 from kvoffload.cli.sim_options import add_arguments, validate
 from kvoffload.sim.disk_plan import DEFAULT_ADMISSION, plan_disk
 from kvoffload.sim.fleet import format_fleet_table, plan_fleet, write_fleet_plot
+from kvoffload.sim.object_tier import DEFAULT_OBJECT_WRITES
 from kvoffload.sim.planning import BELADY, plan
 from kvoffload.sim.report import format_disk_table, format_table, write_csv, write_disk_plot, write_plot
 from kvoffload.sim.trace import TraceFormatError
@@ -89,12 +94,22 @@ def run(args: argparse.Namespace) -> int:
                 admit=admit,
                 disk_policy=args.disk_policy,
                 progress=progress,
+                object_capacity=args.object_capacity,
+                object_writes=args.object_writes or DEFAULT_OBJECT_WRITES,
             )
         print(format_disk_table(disk_rows))
+        objects = ""
+        if args.object_capacity is not None:
+            objects = (
+                f"object tier {args.object_capacity}, reads "
+                f"{cost.object_bandwidth_bytes_per_s / 1e9:,.1f} GB/s after "
+                f"{cost.object_latency_s * 1e3:g} ms per request, writes "
+                f"{args.object_writes or DEFAULT_OBJECT_WRITES}; "
+            )
         print(
-            f"{link}disk reads {cost.disk_bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
+            f"{link}disk reads {cost.disk_bandwidth_bytes_per_s / 1e9:,.1f} GB/s, {objects}"
             f"{cost.kv_bytes_per_token:,} KV bytes/token; disk admission {admit}; "
-            "stores and writes to disk overlap compute and are not charged"
+            "stores and writes to lower tiers overlap compute and are not charged"
         )
         write_csv(disk_rows, args.csv)
         write_disk_plot(disk_rows, args.png, title=title)

@@ -17,6 +17,7 @@ from pathlib import Path
 from kvoffload.index.tiers import TierWeights
 from kvoffload.sim.disk_plan import ADMISSION, DEFAULT_ADMISSION
 from kvoffload.sim.fleet import default_load_window
+from kvoffload.sim.object_tier import OBJECT_WRITES
 from kvoffload.sim.planning import BELADY, CostModel, parse_bytes, parse_capacity, validate_policies
 from kvoffload.sim.routing import DEFAULT_BALANCE_THRESHOLD, ROUTINGS, check_threshold, validate_routings
 from kvoffload.sim.trace import MOONCAKE_BLOCK_SIZE, read_trace
@@ -79,6 +80,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--remote-bandwidth",
         default="3GB",
         help="shared-tier-to-host bytes per second, e.g. '3GB' (default 3GB; with --shared-capacity)",
+    )
+    p.add_argument(
+        "--object-capacity",
+        metavar="SIZE",
+        help="with --disk-capacities: an object-storage tier (S3) below the disk tier, in the forms "
+        "of --capacities, e.g. '100%%' or '10TiB' (default: none)",
+    )
+    p.add_argument(
+        "--object-bandwidth",
+        default="1GB",
+        help="object-tier-to-host bytes per second, e.g. '1GB' (default 1GB; with --object-capacity)",
+    )
+    p.add_argument(
+        "--object-latency",
+        type=float,
+        default=0.03,
+        metavar="SECONDS",
+        help="an object GET's time to first byte, charged once per request with object hits "
+        "(default 0.03; with --object-capacity)",
+    )
+    p.add_argument(
+        "--object-writes",
+        choices=OBJECT_WRITES,
+        default=None,
+        help="when blocks reach the object tier: 'through' (written through from the host tier, "
+        "kvoffload's way; the default) or 'on-eviction' (only what the disk tier evicts)",
     )
     p.add_argument(
         "--disk-policy",
@@ -225,6 +252,8 @@ def validate(args: argparse.Namespace):
         kv_bytes,
         float(_flag_bytes(args.disk_bandwidth, "--disk-bandwidth")),
         float(_flag_bytes(args.remote_bandwidth, "--remote-bandwidth")),
+        float(_flag_bytes(args.object_bandwidth, "--object-bandwidth")),
+        _latency(args.object_latency),
     )
     in_fleet = args.replicas is not None
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -242,7 +271,9 @@ def validate(args: argparse.Namespace):
     disk_capacities = (
         [] if args.disk_capacities is None else _split(args.disk_capacities, "--disk-capacities")
     )
-    for flag, value in (("--disk-policy", args.disk_policy), ("--disk-admit", args.disk_admit)):
+    for flag, value in (("--disk-policy", args.disk_policy), ("--disk-admit", args.disk_admit),
+                        ("--object-capacity", args.object_capacity),
+                        ("--object-writes", args.object_writes)):  # fmt: skip
         if value is not None and not disk_capacities:
             raise ValueError(f"{flag} {value!r} needs --disk-capacities")
     if args.disk_policy is not None:
@@ -266,18 +297,26 @@ def validate(args: argparse.Namespace):
     for flag, given in (("--shared-capacity", shared), ("--shared-segment", segment)):
         if given and not in_fleet:
             raise ValueError(f"{flag} {given[0]!r} needs --replicas")
+    objects = [args.object_capacity] if args.object_capacity is not None else []
     for flag, specs in (("--capacities", capacities), ("--disk-capacities", disk_capacities),
-                        ("--shared-capacity", shared), ("--shared-segment", segment)):  # fmt: skip
+                        ("--shared-capacity", shared), ("--shared-segment", segment),
+                        ("--object-capacity", objects)):  # fmt: skip
         for spec in specs:  # fail on a bad capacity before any replay
             try:
                 blocks = parse_capacity(spec, trace.unique_blocks(), block_bytes)
             except ValueError as exc:
                 raise ValueError(f"{flag}: {exc}") from None
-            if flag in ("--shared-capacity", "--shared-segment") and blocks == 0:
+            if flag in ("--shared-capacity", "--shared-segment", "--object-capacity") and blocks == 0:
                 raise ValueError(f"{flag} {spec!r} holds no block (leave it out: no shared tier)")
             if flag == "--shared-segment":  # the store is every replica's segment together
                 args.shared_capacity = str(blocks * args.replicas)
     return cost, policies, capacities, disk_capacities, trace, fleet
+
+
+def _latency(value: float) -> float:
+    if not value >= 0:
+        raise ValueError(f"--object-latency must be seconds >= 0, got {value}")
+    return value
 
 
 def _flag_bytes(text: str, flag: str) -> int:

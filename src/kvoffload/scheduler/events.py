@@ -29,7 +29,7 @@ record (e.g. a block promoted from below after a restart) gets the placeholder f
 Secondary media go on the wire as vLLM 0.32 names them (``WIRE_TIERS``): the local-disk
 tier is ``medium="STORAGE"``, ``locality="LOCAL"`` (no ownership); the shared Redis tier
 ``medium="STORAGE"``, ``locality="REMOTE"``, ``ownership="redis"``; the Mooncake tier the same
-with ``ownership="mooncake"``.
+with ``ownership="mooncake"``, the object-storage tier with ``ownership="s3"``.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ WIRE_TIERS: dict[str, tuple[str, str | None, str | None]] = {
     "DISK": ("STORAGE", "LOCAL", None),
     "REMOTE": ("STORAGE", "REMOTE", "redis"),
     "MOONCAKE": ("STORAGE", "REMOTE", "mooncake"),
+    "OBJECT": ("STORAGE", "REMOTE", "s3"),
 }
 
 

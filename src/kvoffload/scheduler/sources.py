@@ -3,7 +3,7 @@
 A load covers ``[start, end)`` tokens; each loaded key covers a token range of its own
 (per KV-cache group, so ranges of different groups overlap). A token covered by keys of
 several media counts for the medium farthest from the device (``MEDIA_ORDER``: host,
-then disk, then the shared tiers, Redis and Mooncake; an unknown medium after those); a
+then disk, then the shared tiers, Redis and Mooncake, then object storage; an unknown medium after those); a
 token no key covers counts under ``""`` (unknown). The counts add up to ``end - start``. Engines report cached
 tokens by source with it (vLLM 0.32's ``prompt_tokens_cached_by_source``).
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from operator import itemgetter, lt
 
-from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_MOONCAKE, MEDIUM_REMOTE
+from kvoffload.specs import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_MOONCAKE, MEDIUM_OBJECT, MEDIUM_REMOTE
 
-MEDIA_ORDER = (MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE, MEDIUM_MOONCAKE)
+MEDIA_ORDER = (MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE, MEDIUM_MOONCAKE, MEDIUM_OBJECT)
 UNKNOWN = ""
 
 

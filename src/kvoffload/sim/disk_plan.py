@@ -17,6 +17,13 @@ trace (CPU 5%, disk 25% of the unique blocks) it serves 0.353 of the block refer
 against 0.262 for ``"seen-twice"``, for 6.9x the bytes written to disk; seen-twice wins only
 with a disk of 10% on the one-shot ``documents`` and ``chat`` workloads.
 Belady's offline optimum has no two-tier replay here and is refused.
+
+An object-storage tier below the disk (``object_capacity``, ``kvoffload.sim.object_tier``):
+its hits are read at ``object_bandwidth_bytes_per_s`` after ``object_latency_s`` once per
+request that has any (its GETs run at once); ``object_writes`` says whether it takes every
+block written through (``"through"``, kvoffload's way) or only what the disk evicts
+(``"on-eviction"``, each such block read back from disk first: ``disk_bytes_read``
+counts it).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvoffload.sim.disk import build_tiers, replay_disk
+from kvoffload.sim.object_tier import DEFAULT_OBJECT_WRITES, OBJECT_WRITES, build_object_tiers
 from kvoffload.sim.planning import BELADY, CostModel, parse_capacity, validate_policies
 from kvoffload.sim.replay import to_key_lists
 from kvoffload.sim.tiered import device_prefixes
@@ -74,6 +82,13 @@ class DiskPlanRow:
     disk_blocks_not_promoted: int  # found on disk, but more than the CPU tier could take
     prefill_s_saved: float
     replay_s: float
+    object_capacity: str = ""  # no object tier
+    object_blocks: int = 0
+    object_writes: str = ""
+    object_hit_ratio: float = 0.0
+    object_tokens_saved: int = 0
+    object_bytes_read: int = 0
+    object_bytes_written: int = 0
 
     @property
     def requests_per_second(self) -> float:
@@ -90,8 +105,12 @@ def plan_disk(
     admit: str = DEFAULT_ADMISSION,
     disk_policy: str | None = None,
     progress: Callable[[str], None] | None = None,
+    object_capacity: str | None = None,
+    object_writes: str = DEFAULT_OBJECT_WRITES,
 ) -> list[DiskPlanRow]:
     """Rows in (policy, CPU capacity, disk capacity) order."""
+    if object_writes not in OBJECT_WRITES:
+        raise ValueError(f"unknown object writes {object_writes!r}; known: {', '.join(OBJECT_WRITES)}")
     policies = validate_policies(policies)
     for name in policies:
         if name.lower() == BELADY:
@@ -103,6 +122,7 @@ def plan_disk(
     block_bytes = trace.block_size * cost.kv_bytes_per_token
     sizes = [(spec, parse_capacity(spec, unique, block_bytes)) for spec in capacities]
     disk_sizes = [(spec, parse_capacity(spec, unique, block_bytes)) for spec in disk_capacities]
+    object_blocks = 0 if object_capacity is None else parse_capacity(object_capacity, unique, block_bytes)
     key_lists = to_key_lists(trace.requests)
     lengths = [r.input_length for r in trace.requests]
     served = device_prefixes(key_lists, device_blocks)
@@ -112,14 +132,21 @@ def plan_disk(
             for disk_spec, disk_blocks in disk_sizes:
                 if progress:
                     progress(f"{name} @ {spec} + disk {disk_spec}")
-                tiers = build_tiers(
-                    blocks, disk_blocks, name, disk_policy, admission_rule(admit, disk_blocks)
-                )
+                rule = admission_rule(admit, disk_blocks)
+                if object_blocks:
+                    tiers = build_object_tiers(
+                        blocks, disk_blocks, object_blocks, name, disk_policy, rule, object_writes
+                    )
+                else:
+                    tiers = build_tiers(blocks, disk_blocks, name, disk_policy, rule)
                 r = replay_disk(tiers, key_lists, served, lengths, trace.block_size)
                 saved = (
-                    (r.device_tokens + r.cpu_tokens + r.disk_tokens) / cost.prefill_tokens_per_s
+                    (r.device_tokens + r.cpu_tokens + r.disk_tokens + r.object_tokens)
+                    / cost.prefill_tokens_per_s
                     - r.loaded * block_bytes / cost.bandwidth_bytes_per_s
                     - r.promoted * block_bytes / cost.disk_bandwidth_bytes_per_s
+                    - r.object_promoted * block_bytes / cost.object_bandwidth_bytes_per_s
+                    - r.object_requests * cost.object_latency_s
                 )
                 rows.append(
                     DiskPlanRow(
@@ -142,11 +169,18 @@ def plan_disk(
                         bytes_loaded=r.loaded * block_bytes,
                         cpu_bytes_read=r.cpu_blocks_read * block_bytes,
                         cpu_bytes_written=r.cpu_blocks_written * block_bytes,
-                        disk_bytes_read=r.promoted * block_bytes,
+                        disk_bytes_read=(r.promoted + r.eviction_reads) * block_bytes,
                         disk_bytes_written=r.written * block_bytes,
                         disk_blocks_not_promoted=r.not_promoted,
                         prefill_s_saved=saved,
                         replay_s=r.seconds,
+                        object_capacity=object_capacity or "",
+                        object_blocks=object_blocks,
+                        object_writes=object_writes if object_blocks else "",
+                        object_hit_ratio=r.object_hit_ratio,
+                        object_tokens_saved=r.object_tokens,
+                        object_bytes_read=r.object_promoted * block_bytes,
+                        object_bytes_written=r.object_written * block_bytes,
                     )
                 )
     return rows

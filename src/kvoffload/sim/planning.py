@@ -51,13 +51,16 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*$")
 @dataclass(frozen=True)
 class CostModel:
     """Prefill speed, host-to-device bandwidth, KV size of the model being served, and the
-    read bandwidths of a disk tier and of a shared remote tier (used only when modelled)."""
+    read bandwidths of a disk tier, of a shared remote tier and of an object-storage tier,
+    and the object tier's time to first byte (each used only when its tier is modelled)."""
 
     prefill_tokens_per_s: float = 8000.0
     bandwidth_bytes_per_s: float = 25e9
     kv_bytes_per_token: int = 131072  # Llama-3-8B in bf16: 2 (K,V) x 32 layers x 8 heads x 128 x 2 B
     disk_bandwidth_bytes_per_s: float = 5e9
     remote_bandwidth_bytes_per_s: float = 3e9  # a shared tier over the network (~25 Gbit/s)
+    object_bandwidth_bytes_per_s: float = 1e9  # one engine's GETs from an S3 service
+    object_latency_s: float = 0.03  # an S3 GET's time to first byte (once per request: GETs run at once)
 
     def __post_init__(self) -> None:
         for name in (
@@ -66,10 +69,14 @@ class CostModel:
             "kv_bytes_per_token",
             "disk_bandwidth_bytes_per_s",
             "remote_bandwidth_bytes_per_s",
+            "object_bandwidth_bytes_per_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        latency = self.object_latency_s
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not latency >= 0:
+            raise ValueError(f"object_latency_s must be a number >= 0, got {latency!r}")
 
 
 def parse_bytes(text: str) -> int:

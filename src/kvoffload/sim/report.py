@@ -48,20 +48,29 @@ def _gb(n: int) -> str:
 
 
 def format_disk_table(rows: Sequence[DiskPlanRow]) -> str:
-    """A fixed-width table of CPU + disk rows: hit ratio and GB read/written per tier."""
+    """A fixed-width table of CPU + disk rows: hit ratio and GB read/written per tier (and
+    the object tier's, when the rows have one)."""
+    objects = any(r.object_blocks for r in rows)
     header = (
-        f"{'policy':<10}{'cpu':>9}{'disk':>9}{'device':>8}{'cpu':>7}{'disk':>7}{'total':>7}"
-        f"{'tokens saved':>15}{'cpu GB r/w':>17}{'disk GB r/w':>17}{'prefill s saved':>17}{'req/s':>9}"
+        f"{'policy':<10}{'cpu':>9}{'disk':>9}{'device':>8}{'cpu':>7}{'disk':>7}"
+        + (f"{'object':>8}" if objects else "")
+        + f"{'total':>7}{'tokens saved':>15}{'cpu GB r/w':>17}{'disk GB r/w':>17}"
+        + (f"{'object GB r/w':>17}" if objects else "")
+        + f"{'prefill s saved':>17}{'req/s':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         cpu_rw = f"{_gb(r.cpu_bytes_read)}/{_gb(r.cpu_bytes_written)}"
         disk_rw = f"{_gb(r.disk_bytes_read)}/{_gb(r.disk_bytes_written)}"
-        tokens = r.device_tokens_saved + r.cpu_tokens_saved + r.disk_tokens_saved
+        object_rw = f"{_gb(r.object_bytes_read)}/{_gb(r.object_bytes_written)}"
+        tokens = r.device_tokens_saved + r.cpu_tokens_saved + r.disk_tokens_saved + r.object_tokens_saved
         lines.append(
             f"{r.policy:<10}{r.capacity:>9}{r.disk_capacity:>9}{r.device_hit_ratio:>8.3f}"
-            f"{r.cpu_hit_ratio:>7.3f}{r.disk_hit_ratio:>7.3f}{r.hit_ratio:>7.3f}{tokens:>15,}"
-            f"{cpu_rw:>17}{disk_rw:>17}{r.prefill_s_saved:>17,.1f}{r.requests_per_second:>9,.0f}"
+            f"{r.cpu_hit_ratio:>7.3f}{r.disk_hit_ratio:>7.3f}"
+            + (f"{r.object_hit_ratio:>8.3f}" if objects else "")
+            + f"{r.hit_ratio:>7.3f}{tokens:>15,}{cpu_rw:>17}{disk_rw:>17}"
+            + (f"{object_rw:>17}" if objects else "")
+            + f"{r.prefill_s_saved:>17,.1f}{r.requests_per_second:>9,.0f}"
         )
     return "\n".join(lines)
 

@@ -39,6 +39,7 @@ _BUILTIN = {
     "fs": "kvoffload.tiers.fs.tier:FSTierType",
     "redis": "kvoffload.tiers.redis.tier:RedisTierType",
     "mooncake": "kvoffload.tiers.mooncake.tier:MooncakeTierType",
+    "s3": "kvoffload.tiers.s3.tier:S3TierType",
 }
 
 

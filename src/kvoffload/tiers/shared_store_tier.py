@@ -1,9 +1,11 @@
-"""``SharedStoreTierType``: what the shared-store tier types (``redis``, ``mooncake``) build
-alike.
+"""``SharedStoreTierType``: what the shared-store tier types (``redis``, ``mooncake``,
+``s3``) build alike.
 
-Both keep one value per rank's share of a block in the Redis tier's format
+They keep one value per rank's share of a block in the Redis tier's format
 (``kvoffload.tiers.redis.format``: ``value_bytes``, ``KeyNames`` under ``redis_namespace``
-of the rank's identity), and both build a ``SharedStoreManager`` over a ``StoreLookups``:
+of the rank's identity; the object tier overrides ``_names`` with its ``/``-separated
+``ObjectNames`` of the same namespace), and build a ``SharedStoreManager`` over a
+``StoreLookups``:
 
 * the index holds ``bytes_to_use // (value bytes x world_size)`` blocks (every rank's
   share counted; a budget that holds no block is a ``ValueError`` naming it), or

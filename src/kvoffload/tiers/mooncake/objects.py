@@ -75,12 +75,25 @@ class OneBuffer:
         heads = [HEADER_BYTES + len(key) for key in keys]
         return [b * stride + end - len(key) for b, key in zip(host_ids, keys)], [n + size for n in heads]
 
-    def put(self, row: int, host_ids: list[int], keys: list[bytes]) -> Call:
+    def write_heads(self, host_ids: list[int], keys: list[bytes]) -> tuple[list[int], list[int]]:
+        """Write each block's header and key into its prefix; each object's first byte in
+        the region, and its size."""
         view, size, digest, pack = self._view, self.size, self.digest, _CRC.pack_into
         starts, sizes = self._starts(host_ids, keys)
         for at, key, n in zip(starts, keys, sizes):
             view[at : at + n - size] = head_template(key, size, digest)
             pack(view, at + CRC_AT, crc32c(view[at + HEADER_BYTES : at + n]))  # key, then payload
+        return starts, sizes
+
+    def objects(self, host_ids: list[int], keys: list[bytes]) -> list[memoryview]:
+        """Each block's whole object, its header written, as a byte view of the pool: what
+        a client that sends from buffers (the object tier's) puts without a copy."""
+        starts, sizes = self.write_heads(host_ids, keys)
+        view = self._view
+        return [view[at : at + n] for at, n in zip(starts, sizes)]
+
+    def put(self, row: int, host_ids: list[int], keys: list[bytes]) -> Call:
+        starts, sizes = self.write_heads(host_ids, keys)
         base = self._base
         return "batch_put_from", [base + at for at in starts], sizes
 
