@@ -104,8 +104,12 @@ format: venv
 demo: venv
 	$(PY) -m kvoffload.cli demo
 
-bench: venv
-	@for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+# bench/bench_sglang*.py run in the SGLang environment (an engine of its own), the rest here.
+bench: venv sglang-env
+	@for f in bench/bench_*.py; do \
+	  case $$f in bench/bench_sglang*) py=$(SGLANG_PY);; *) py=$(PY);; esac; \
+	  echo "== $$f"; $$py $$f || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
