@@ -41,6 +41,7 @@ from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.extras import require
 from kvoffload.manager import OffloadingManager
 from kvoffload.policies import resolve_policy
+from kvoffload.settings import Key, custom
 from kvoffload.tiers.secondary import SecondaryTierType, TierContext
 from kvoffload.tiers.tiered import TieredOffloadingManager
 from kvoffload.validation import positive_int
@@ -48,6 +49,24 @@ from kvoffload.worker import OffloadingWorker, WorkerRouter
 
 if TYPE_CHECKING:
     from kvoffload.transfer.layout import KVLayout
+
+
+def _policy(where: str, value: Any) -> Any:
+    try:
+        resolve_policy(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return value
+
+
+# The ``eviction_policy`` key, as every engine adapter's configuration takes it.
+EVICTION_POLICY = Key(
+    "eviction_policy",
+    custom("policy name or `package.module:ClassName`", _policy),
+    "lru",
+    "the eviction policy of every tier: `lru`, `arc`, `s3fifo`, `wtinylfu`, `turnlru`, … or a "
+    "`CachePolicy` subclass by import path",
+)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.policies import resolve_policy
 from kvoffload.settings import (
     REQUIRED,
     Key,
@@ -27,19 +26,12 @@ from kvoffload.settings import (
     seconds,
     text,
 )
+from kvoffload.tiers.factory import EVICTION_POLICY
 from kvoffload.tiers.secondary import SecondaryTierType, parse_secondary_tiers
 
 # How long ``batch_exists`` waits at most for a shared tier's background lookups to answer
 # about keys it has not seen (a store that is down answers at once: a miss).
 DEFAULT_EXISTS_WAIT_S = 2.0
-
-
-def _policy(where: str, value: Any) -> Any:
-    try:
-        resolve_policy(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    return value
 
 
 def _tiers(where: str, value: Any) -> tuple[SecondaryTierType, ...]:
@@ -79,9 +71,7 @@ STORAGE_CONFIG = Schema((
         "{\"type\": \"redis\", \"url\": \"redis://10.0.0.5:6379/0\"}]`, each with its table's keys; "
         "`bytes_to_use` is the total over the tensor-parallel ranks, as for vLLM",
         hint="e.g. [{'type': 'fs', 'root_dir': ..., 'bytes_to_use': ...}]"),
-    Key("eviction_policy", custom("policy name or `package.module:ClassName`", _policy), "lru",
-        "the eviction policy of every tier: `lru`, `arc`, `s3fifo`, `wtinylfu`, `turnlru`, … or a "
-        "`CachePolicy` subclass by import path"),
+    EVICTION_POLICY,
     Key("exists_wait_s", seconds(0, 30), DEFAULT_EXISTS_WAIT_S,
         "the longest `batch_exists` waits for a shared tier to answer about pages it has not seen (a store "
         "that is down answers at once: a miss)"),

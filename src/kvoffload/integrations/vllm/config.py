@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.faults import FaultConfig
-from kvoffload.policies import resolve_policy
 from kvoffload.scheduler.events import EVENT_MODES
 from kvoffload.scheduler.reuse import DEFAULT_MEMORY
 from kvoffload.settings import (
@@ -35,20 +34,12 @@ from kvoffload.settings import (
     one_of,
     seconds,
 )
-from kvoffload.tiers.factory import TierConfig
+from kvoffload.tiers.factory import EVICTION_POLICY, TierConfig
 from kvoffload.tiers.secondary import parse_secondary_tiers
 
 DEFAULT_SWITCH_INTERVAL_S = 0.0002
 DEFAULT_IDLE_WAIT_S = 0.001
 DEFAULT_SYNC_LOAD_BUDGET_BYTES = 16 << 20
-
-
-def _policy(where: str, value: Any) -> Any:
-    try:
-        resolve_policy(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    return value
 
 
 def _tiers(where: str, value: Any) -> tuple:
@@ -72,9 +63,7 @@ EXTRA_CONFIG = Schema((
     Key("block_size", POSITIVE_INT, None,
         "offloaded block size in tokens, a multiple of the engine's block size",
         shown_default="the engine's"),
-    Key("eviction_policy", custom("policy name or `package.module:ClassName`", _policy), "lru",
-        "the eviction policy of every tier: `lru`, `arc`, `s3fifo`, `wtinylfu`, `turnlru`, … or a "
-        "`CachePolicy` subclass by import path"),
+    EVICTION_POLICY,
     Key("kv_events", one_of(*EVENT_MODES), "self_describing",
         "`self_describing` (`BlockStored` with `token_ids`, parent hash, `block_size`) or `placeholder` "
         "(vLLM's own offloading form: `block_size=0`, no tokens)"),
