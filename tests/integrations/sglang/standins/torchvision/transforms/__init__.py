@@ -1,0 +1,8 @@
+"""``torchvision.transforms`` of the stand-in package (see ``torchvision``'s docstring)."""
+
+from torchvision._inert import InterpolationMode, module_getattr
+from torchvision.transforms import functional, v2  # noqa: F401
+
+__all__ = ["InterpolationMode"]
+
+__getattr__ = module_getattr(__name__)
