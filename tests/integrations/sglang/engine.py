@@ -7,7 +7,7 @@ on (device pool -> host pool -> storage backend) and returns a ``RunningEngine``
 ``generate(prompt)`` (greedy; the output and ``meta_info["cached_tokens_details"]`` as a
 ``Generation``), ``flush_cache()`` (empties the device and host caches; storage keeps its
 pages), ``shutdown()`` (stops the engine and, by PID, any process it left behind).
-A start takes about 25 s here (TP=2 about 35 s).
+A start takes 13-20 s here on an idle machine (TP=2 about 18 s), up to a minute under load.
 
 How SGLang runs on CPU here:
 
@@ -33,7 +33,7 @@ SGLang environment would patch every process of that environment, tests or not; 
 SGLang's process targets depends on private names that change between releases. The
 variables are restored when the engine shuts down.
 
-Process hygiene, and two SGLang behaviours a test process must not inherit:
+Process hygiene, and three SGLang behaviours a test process must not inherit:
 
 - SGLang 0.5.23's ``Engine.shutdown()`` SIGKILLs *every* child process of the calling
   process (``kill_process_tree(os.getpid(), include_parent=False)``), not only its own:
@@ -48,6 +48,10 @@ Process hygiene, and two SGLang behaviours a test process must not inherit:
   The harness passes ``custom_sigquit_handler`` (used while the engine starts) and, once
   started, replaces the tokenizer manager's SIGQUIT handler on the event loop: both raise
   ``EngineChildFailed`` in the test instead, which fails it.
+- A ZMQ socket SGLang leaves open with unsent messages (after a failed start, or to
+  processes already killed) blocks its context's ``term()`` forever when the context is
+  collected; pytest collects garbage at exit, so the run would hang there. The contexts an
+  engine made are destroyed without lingering when it stops or fails to start.
 
 Idle engines poll without sleeping unless ``sleep_on_idle`` is set; the harness sets it,
 so that engines kept alive by fixtures do not take the CPU from the running one.
@@ -55,6 +59,7 @@ so that engines kept alive by fixtures do not take the CPU from the running one.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -98,6 +103,26 @@ def _child_failed(signum: int = 0, frame: Any = None) -> None:
         "an SGLang engine process failed (SIGQUIT from a child); its log is above (log level: "
         "KVOFFLOAD_SGLANG_LOG_LEVEL)"
     )
+
+
+def _zmq_contexts() -> dict[int, Any]:
+    import zmq
+
+    # type(), not isinstance(): some objects (torch.distributed.reduce_op) warn on __class__
+    return {id(o): o for o in gc.get_objects() if issubclass(type(o), zmq.Context)}
+
+
+def _close_zmq(contexts: list[Any]) -> None:
+    """Close the ZMQ contexts (and their sockets) an engine made, without lingering: an
+    open socket with unsent messages (to processes now dead) would block its context's
+    ``term()`` forever, and pytest collects garbage at exit (the run would hang there)."""
+    import zmq
+
+    for context in contexts:
+        if context is getattr(zmq.Context, "_instance", None) or context.closed:
+            continue
+        with suppress(Exception):
+            context.destroy(linger=0)
 
 
 def _descendants(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -183,6 +208,7 @@ class RunningEngine:
     start_seconds: float
     killed: list[int] = field(default_factory=list)
     _env: Any = None
+    _zmq: list[Any] = field(default_factory=list)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 8) -> Generation:
         params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
@@ -232,6 +258,7 @@ class RunningEngine:
             self.engine.shutdown()
         finally:
             engine_module.kill_process_tree = original
+            _close_zmq(self._zmq)
             _, alive = psutil.wait_procs(mine, timeout=timeout)
             for proc in alive:
                 with suppress(psutil.NoSuchProcess):
@@ -286,6 +313,7 @@ def start_engine(
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
+    contexts_before = _zmq_contexts()
     env = engine_environment(tp_size)
     env.__enter__()
     started = time.monotonic()
@@ -293,6 +321,7 @@ def start_engine(
         engine = sglang.Engine(**args)
     except BaseException:
         env.__exit__(None, None, None)
+        _close_zmq([c for key, c in _zmq_contexts().items() if key not in contexts_before])
         new = [proc for proc in me.children(recursive=True) if proc.pid not in before]
         for proc in new:
             with suppress(psutil.NoSuchProcess):
@@ -306,7 +335,8 @@ def start_engine(
     with suppress(Exception):
         engine.loop.remove_signal_handler(signal.SIGQUIT)
     signal.signal(signal.SIGQUIT, _child_failed)
-    return RunningEngine(engine=engine, children=children, start_seconds=seconds, _env=env)
+    contexts = [c for key, c in _zmq_contexts().items() if key not in contexts_before]
+    return RunningEngine(engine=engine, children=children, start_seconds=seconds, _env=env, _zmq=contexts)
 
 
 def file_extra_config(directory: str | os.PathLike) -> dict[str, Any]:
