@@ -30,6 +30,23 @@ test: venv redis-server mooncake-libs vllm-releases sglang-env
 test-fast: venv
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not vllm and not redis and not mooncake and not s3"
 
+.PHONY: fuzz test-sanitize
+
+# The fuzz tests (tests/fuzz/: every parser of bytes from outside the process) with FUZZ_SCALE
+# times the examples `make test` runs and a seed of their own: FUZZ_SEED, drawn when not
+# given and printed, to run a finding again. What runs found: notes/fuzzing.md.
+FUZZ_SCALE ?= 50
+fuzz: venv
+	@seed=$${FUZZ_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
+	echo "make fuzz: KVOFFLOAD_FUZZ_SEED=$$seed KVOFFLOAD_FUZZ_SCALE=$(FUZZ_SCALE)"; \
+	KVOFFLOAD_FUZZ_SEED=$$seed KVOFFLOAD_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q -p no:cacheprovider tests/fuzz
+
+# Every C extension built with AddressSanitizer and UndefinedBehaviorSanitizer into
+# build/sanitize (the in-place build under src/ stays as it is), then the unit layer and the
+# disk, Redis and Mooncake tier tests run on it; any report fails (scripts/test_sanitize.py).
+test-sanitize: venv redis-server mooncake-libs
+	$(PY) scripts/test_sanitize.py
+
 # vLLM releases after the CPU build's 0.32 (GPU-only wheels): installed without their
 # dependencies beside the environment, each in a folder of its own, for
 # tests/integrations/vllm/test_vllm_versions.py to drive their schedulers with the connector.

@@ -155,12 +155,18 @@ static PyObject *find(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "out must hold %zd intp, it holds %zd bytes", n, out.len);
     } else if (buckets != (uint64_t)1 << (64 - shift)) { /* every bucket index must lie in the table */
         PyErr_Format(PyExc_ValueError, "%llu buckets do not match shift %u", (unsigned long long)buckets, shift);
+    } else if ((uintptr_t)keys.buf % sizeof(uint64_t)) { /* the table's own array: aligned by numpy */
+        PyErr_SetString(PyExc_ValueError, "keys must be aligned to 8 bytes");
     } else {
         const uint64_t *table = (const uint64_t *)keys.buf;
-        const uint64_t *h = (const uint64_t *)hashes.buf;
-        Py_ssize_t *pos = (Py_ssize_t *)out.buf, found = 0;
+        /* hashes and out are the caller's: read and written with memcpy, aligned or not (a
+         * misaligned load is undefined; on x86-64 this is the same one instruction) */
+        const char *h = (const char *)hashes.buf;
+        char *pos = (char *)out.buf;
+        Py_ssize_t found = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
-            uint64_t key = h[i];
+            uint64_t key;
+            memcpy(&key, h + i * (Py_ssize_t)sizeof key, sizeof key);
             Py_ssize_t at = -1;
             uint64_t bucket = (key * M1) >> shift;
             const uint64_t *row = table + bucket * WAYS;
@@ -180,7 +186,7 @@ static PyObject *find(PyObject *self, PyObject *args) {
                     }
                 }
             }
-            pos[i] = at;
+            memcpy(pos + i * (Py_ssize_t)sizeof at, &at, sizeof at);
             found += at >= 0;
         }
         result = PyLong_FromSsize_t(found);

@@ -29,6 +29,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
@@ -111,12 +112,21 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
                      first, offset, stride, payload, digest.len);
         goto done;
     }
-    keys = PySequence_Fast(keys_arg, "keys must be a sequence of bytes");
+    /* a tuple of its own: the keys' bytes are read without the GIL, while the caller's list may change */
+    keys = PySequence_Tuple(keys_arg);
     blocks = keys ? PySequence_Fast(blocks_arg, "blocks must be a sequence of buffer lists") : NULL;
     if (blocks == NULL) goto done;
     nblocks = PySequence_Fast_GET_SIZE(blocks);
     if (PySequence_Fast_GET_SIZE(keys) != nblocks) {
         PyErr_Format(PyExc_ValueError, "%zd blocks but %zd keys", nblocks, PySequence_Fast_GET_SIZE(keys));
+        goto done;
+    }
+    /* Every offset the run reads at, records and payloads, must be a file offset: computed
+     * below in signed 64 bits, where an overflow is undefined. */
+    if (first > LLONG_MAX / RECORD_BYTES - nblocks || offset > LLONG_MAX - payload ||
+        (nblocks > 1 && stride > (LLONG_MAX - payload - offset) / (nblocks - 1))) {
+        PyErr_Format(PyExc_ValueError, "bad run: %zd slots from slot %lld (offset %lld, stride %lld) end past the largest file offset",
+                     nblocks, first, offset, stride);
         goto done;
     }
     size_t n = (size_t)nblocks + 1;

@@ -105,6 +105,10 @@ static int finder_init(Finder *f, PyObject *args, PyObject *kwds) {
                      f->table.len);
         goto fail;
     }
+    if ((uintptr_t)f->table.buf % 8) { /* read as int64: a misaligned load is undefined */
+        PyErr_SetString(PyExc_ValueError, "table must be aligned to 8 bytes");
+        goto fail;
+    }
     if (f->tags.len != entries) {
         PyErr_Format(PyExc_ValueError, "tags must hold one byte per table entry (%zd), got %zd", entries,
                      f->tags.len);
@@ -407,6 +411,10 @@ static int links_init(Links *l, PyObject *args, PyObject *kwds) {
                      l->prev.len, l->next.len);
         goto fail;
     }
+    if ((uintptr_t)l->prev.buf % 4 || (uintptr_t)l->next.buf % 4) {
+        PyErr_SetString(PyExc_ValueError, "prev and next must be aligned to 4 bytes");
+        goto fail;
+    }
     l->pv = (int32_t *)l->prev.buf;
     l->nx = (int32_t *)l->next.buf;
     l->sentinel = l->prev.len / 4 - 1;
@@ -479,8 +487,8 @@ static PyObject *links_evict(Links *l, PyObject *const *args, Py_ssize_t nargs) 
     Py_buffer state;
     if (PyObject_GetBuffer(args[0], &state, PyBUF_C_CONTIGUOUS) < 0) return NULL;
     PyObject *victims = NULL;
-    if (state.len != l->sentinel * 4) {
-        PyErr_Format(PyExc_ValueError, "state must be an int32 array of %zd slots", l->sentinel);
+    if (state.len != l->sentinel * 4 || (uintptr_t)state.buf % 4) {
+        PyErr_Format(PyExc_ValueError, "state must be an int32 array of %zd slots, aligned", l->sentinel);
         goto done;
     }
     Py_ssize_t n = PyLong_AsSsize_t(args[1]);

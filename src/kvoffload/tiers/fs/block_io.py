@@ -141,15 +141,30 @@ class BlockFiles:
 
         With ``_runread`` built, one call without the GIL per run: the records in one read,
         then each block's payload read and its CRC computed while it is in the CPU cache.
-        Else the records in one read and the payloads in as few ``preadv`` calls as
-        ``IOV_MAX`` allows, checked after."""
+        Else the records in one read and the payloads, up to the first bad record, in as
+        few ``preadv`` calls as ``IOV_MAX`` allows, checked after; either way the blocks are
+        judged in order, so both name the same block."""
         if _runread is not None:
             self._read_native(first, keys, blocks)
             return
-        n = len(keys)
-        raw = os.pread(self.header_fd, RECORD_BYTES * n, first * RECORD_BYTES)
-        records = [self._record(raw[i * RECORD_BYTES : (i + 1) * RECORD_BYTES], key, first + i)
-                   for i, key in enumerate(keys)]  # fmt: skip
+        raw = os.pread(self.header_fd, RECORD_BYTES * len(keys), first * RECORD_BYTES)
+        records, bad = [], None
+        for i, key in enumerate(keys):
+            try:
+                records.append(self._record(raw[i * RECORD_BYTES : (i + 1) * RECORD_BYTES], key, first + i))
+            except CorruptBlock as exc:
+                bad = exc  # the blocks before it are read and checked first, as in C
+                break
+        if records:
+            self._read_checked(first, keys, blocks, records)
+        if bad is not None:
+            raise bad
+
+    def _read_checked(self, first: int, keys: Sequence[bytes], blocks: Sequence[Sequence], records) -> None:
+        """Read the first ``len(records)`` blocks of the run (their records valid) and
+        check them in order."""
+        n = len(records)
+        blocks = blocks[:n]
         gap = self.geometry.slot_stride - self.geometry.payload_bytes
         scratch = memoryview(bytearray(gap)) if gap and n > 1 else None
         length = (n - 1) * self.geometry.slot_stride + self.geometry.payload_bytes

@@ -73,7 +73,7 @@ typedef struct {
 typedef struct {
     Batch b;
     Py_buffer request; /* held while request.obj is set */
-    PyObject *items;   /* the plan (a list), kept alive: the items' bytes are read in place */
+    PyObject *items;   /* a copy of the plan (a tuple), kept alive: the items' bytes are read in place */
     Py_buffer *views;
     Py_ssize_t nviews, held;
     unsigned char *scratch;

@@ -15,10 +15,13 @@ enum { GOOD = 1, BAD_CRC = 0, BAD_HEAD = -1 };
 #define CRC_FIELD 8
 
 /* 0: the first ``got`` bytes of item i's lead are as planned; 1: another reply starts at
- * the item's start (+ the previous value's CRLF); -1: not RESP. */
+ * the item's start (+ the previous value's CRLF); -1: not RESP. The previous value's CRLF
+ * is judged once both its bytes are in, as the reply-by-reply reader (``RespStream``) does:
+ * a connection closed after the first is a closed connection either way. */
 static int surprised(Batch *b, Py_ssize_t i, Py_ssize_t got) {
     Item *it = &b->items[i];
-    Py_ssize_t crlf = got < (i ? 2 : 0) ? got : (i ? 2 : 0);
+    Py_ssize_t crlf = i ? 2 : 0;
+    if (got < crlf) return 0;
     if (memcmp(it->region, it->expected, crlf) != 0) {
         b->error = E_PROTOCOL;
         b->message = "a bulk string not followed by CRLF";
@@ -166,10 +169,14 @@ int get_prepare(GetBatch *g, PyObject *request, PyObject *items) {
         return -1;
     }
     if (PyObject_GetBuffer(request, &g->request, PyBUF_SIMPLE) < 0) return -1;
-    g->items = Py_NewRef(items);
-    Py_ssize_t nitems = PyList_GET_SIZE(items), nviews = 0, regions = 0;
+    /* A copy of the plan: the batch reads its items' bytes in place without the GIL (and a
+     * queued batch long after this call), while the caller's list may be changed meanwhile;
+     * the copy's tuples keep each item's bytes alive. */
+    if (!(g->items = PyList_AsTuple(items))) return -1;
+    items = g->items;
+    Py_ssize_t nitems = PyTuple_GET_SIZE(items), nviews = 0, regions = 0;
     for (Py_ssize_t i = 0; i < nitems; i++) {
-        PyObject *item = PyList_GET_ITEM(items, i);
+        PyObject *item = PyTuple_GET_ITEM(items, i);
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4 || !PyBytes_Check(PyTuple_GET_ITEM(item, 0)) ||
             !PyLong_Check(PyTuple_GET_ITEM(item, 1)) || !PyBytes_Check(PyTuple_GET_ITEM(item, 2)) ||
             !PyList_Check(PyTuple_GET_ITEM(item, 3))) {
@@ -193,7 +200,7 @@ int get_prepare(GetBatch *g, PyObject *request, PyObject *items) {
     Py_ssize_t at = 0;
     unsigned char *region = g->scratch;
     for (Py_ssize_t i = 0; i < nitems; i++) {
-        PyObject *item = PyList_GET_ITEM(items, i), *expected = PyTuple_GET_ITEM(item, 0);
+        PyObject *item = PyTuple_GET_ITEM(items, i), *expected = PyTuple_GET_ITEM(item, 0);
         PyObject *key = PyTuple_GET_ITEM(item, 2), *rows = PyTuple_GET_ITEM(item, 3);
         Item *it = &b->items[i];
         it->expected = (const unsigned char *)PyBytes_AS_STRING(expected);
@@ -217,6 +224,10 @@ int get_prepare(GetBatch *g, PyObject *request, PyObject *items) {
         at += head;
         it->head_end = at;
         for (Py_ssize_t j = 0; j < PyList_GET_SIZE(rows); j++) {
+            if (g->held == g->nviews) { /* a row list grew since they were counted: never past the views */
+                PyErr_Format(PyExc_ValueError, "item %zd: its rows changed while the batch was planned", i);
+                return -1;
+            }
             Py_buffer *view = &g->views[g->held];
             if (PyObject_GetBuffer(PyList_GET_ITEM(rows, j), view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
                 return -1;

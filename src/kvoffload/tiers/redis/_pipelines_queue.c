@@ -28,6 +28,8 @@
 
 /* ---- Completions ---- */
 
+#define MAX_TIMEOUT 1e9 /* seconds (about 31 years): a longer wait has no deadline */
+
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
@@ -67,10 +69,14 @@ static PyObject *completions_wait(Completions *c, PyObject *args) {
     PyObject *timeout_arg = Py_None;
     if (!PyArg_ParseTuple(args, "K|O", &seen, &timeout_arg)) return NULL;
     double timeout = -1;
-    if (timeout_arg != Py_None && (timeout = PyFloat_AsDouble(timeout_arg)) < 0) {
+    if (timeout_arg != Py_None && !((timeout = PyFloat_AsDouble(timeout_arg)) >= 0)) { /* NaN too */
         if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "timeout must be >= 0, got %R", timeout_arg);
         return NULL;
     }
+    /* A deadline past what a timespec holds (infinity too) is no deadline: converting it
+     * would be undefined, and pthread_cond_timedwait refuses the result at once, holding the
+     * mutex, so the loop below spun and a bump() could not get in. */
+    if (timeout > MAX_TIMEOUT) timeout = -1;
     int moved;
     Py_BEGIN_ALLOW_THREADS
     struct timespec until;
@@ -138,6 +144,7 @@ typedef struct {
     pthread_cond_t cv;
     Job *head, *tail;           /* queued, unsent */
     Job *done_head, *done_tail; /* answered in full, not collected */
+    Job *summing;               /* the queued store whose CRC32Cs the serving thread fills in */
     int running, closed;
     unsigned long long behind;
     Completions *completions;
@@ -224,14 +231,21 @@ static PyObject *queue_push_set(JobQueue *q, PyObject *args) {
     return enqueue(q, job);
 }
 
-/* Once a batch is sent: fill in the next queued store's CRC32Cs while the replies come. Only
- * the serving thread takes jobs off the queue, so the job stays while it is read. */
+/* Once a batch is sent: fill in the next queued store's CRC32Cs while the replies come. The
+ * job stays queued meanwhile, marked: drain() (any thread) waits for it before taking the
+ * queue out, so it never frees a job being read here. */
 static void sum_next(void *arg) {
     JobQueue *q = arg;
     pthread_mutex_lock(&q->mu);
-    Job *next = q->head;
+    Job *next = q->head && q->head->kind == SET ? q->head : NULL;
+    q->summing = next;
     pthread_mutex_unlock(&q->mu);
-    if (next && next->kind == SET) set_checksums(&next->set);
+    if (!next) return;
+    set_checksums(&next->set);
+    pthread_mutex_lock(&q->mu);
+    q->summing = NULL;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
 }
 
 static PyObject *queue_serve(JobQueue *q, PyObject *args) {
@@ -319,10 +333,14 @@ static PyObject *queue_collect(JobQueue *q, PyObject *unused) {
 }
 
 static PyObject *queue_drain(JobQueue *q, PyObject *unused) {
+    Job *job;
+    Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&q->mu);
-    Job *job = q->head;
+    while (q->summing) pthread_cond_wait(&q->cv, &q->mu);
+    job = q->head;
     q->head = q->tail = NULL;
     pthread_mutex_unlock(&q->mu);
+    Py_END_ALLOW_THREADS
     PyObject *out = PyList_New(0);
     while (job) {
         Job *next = job->next;

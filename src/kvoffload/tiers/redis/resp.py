@@ -12,7 +12,8 @@ retries. Every socket call is bounded by the socket's own timeout.
 * ``reply()``: the next reply read whole: ``bytes`` (simple or bulk string), ``int``,
   ``None`` (a null), a list (array, set, or a map's keys and values in turn), or a
   ``ServerError`` (an error reply is returned, not raised: the server answered). RESP2
-  and RESP3 both (redis-py negotiates RESP3 by default); RESP3 pushes are dropped.
+  and RESP3 both (redis-py negotiates RESP3 by default); RESP3 pushes are dropped. A
+  reply nested more than 32 levels deep is malformed.
 * ``bulk(n)``: the next reply where a bulk string of ``n`` bytes is expected: a view of
   its bytes in the receive buffer, valid until the next call; otherwise its length (``-1``
   for a null; a bulk string of another length is skipped, never held whole) or its
@@ -45,6 +46,9 @@ _CRLF = b"\r\n"
 _BUFFER = 1 << 20  # a thread's receive buffer, to begin with; it grows to 4x the largest value
 _MAX_LINE = 1 << 16
 _MAX_BULK = 512 << 20  # the server's proto-max-bulk-len default: a longer length is garbage
+# Replies to kvoffload's commands are flat, a push or a cluster reply a few levels deep: one
+# nested deeper is garbage, refused before each level's Python frame exhausts the stack.
+_MAX_DEPTH = 32
 _local = threading.local()
 _IOV = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
 
@@ -158,7 +162,7 @@ class RespStream:
             raise ProtocolError(f"bad length {n} in a reply")
         return n
 
-    def _head(self) -> bytes:
+    def _head(self, depth: int = 0) -> bytes:
         """The next reply's first line; out-of-band RESP3 pushes and attributes before it
         are read and dropped (nothing kvoffload asked for)."""
         while True:
@@ -167,7 +171,7 @@ class RespStream:
                 return line
             n = self._length(line[1:])
             for _ in range(n * 2 if line[:1] == b"|" else n):
-                self.reply()
+                self._reply(depth + 1)
 
     def _bulk(self, n: int) -> bytes:
         if n > _MAX_BULK:
@@ -178,7 +182,12 @@ class RespStream:
         return bytes(data[:n])
 
     def reply(self) -> Any:
-        line = self._head()
+        return self._reply(0)
+
+    def _reply(self, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise ProtocolError(f"a reply nested more than {_MAX_DEPTH} levels deep")
+        line = self._head(depth)
         kind, rest = line[:1], line[1:]
         if kind == b"+":
             return rest
@@ -196,7 +205,7 @@ class RespStream:
             return None
         if kind in (b"*", b"~", b"%"):
             n = self._length(rest)
-            return None if n == -1 else [self.reply() for _ in range(n * 2 if kind == b"%" else n)]
+            return None if n == -1 else [self._reply(depth + 1) for _ in range(n * 2 if kind == b"%" else n)]
         try:
             if kind in (b":", b"("):
                 return int(rest)
