@@ -12,7 +12,9 @@ have vocab 512 and KV-cache block size 32 there:
 - ``sliding_window``: Gemma-3 text model (`build_tiny_llama` with sliding_window 64),
   a sliding-window and a full-attention group.
 - ``mla``: DeepSeek-V2, multi-head latent attention (kv_lora_rank 512 + qk_rope_head_dim
-  64 = 576), dense MLPs; one MLAAttentionSpec group. Runs in bfloat16 (AMX MLA).
+  64 = 576), dense MLPs; one MLAAttentionSpec group. Runs in bfloat16: vLLM's AMX MLA
+  where the CPU has AMX; elsewhere its reference CPU_MLA backend, for which vLLM turns the
+  prefix cache off and uses block size 16 (kvoffload's loads still work there).
 - ``gdn``: Qwen3-Next, three gated-delta-net layers (one MambaSpec group each) and one
   full-attention layer, MoE MLPs (4 experts, 2 per token). Runs in bfloat16.
 - ``mamba2`` (`BUILD_ONLY`): Granite-4.0-H (GraniteMoeHybrid), three Mamba2 layers and one

@@ -10,6 +10,13 @@ For each, with the CPU tier and a disk tier below it:
   with noise first, and every offloaded page of each loaded block (each state, for a
   Mamba/GDN group) is compared with the page the first request left;
 * a fresh engine on the same ``root_dir`` serves the prefix from the disk tier.
+
+The engine's own cached path depends on the host: vLLM's CPU build runs MLA with its AMX
+backend (prefix cache on, block size 32) where the CPU has AMX, and otherwise with its
+reference ``CPU_MLA`` backend, for which it turns the prefix cache off (block size 16): the
+engine never hits its own cache there, and the reference for a reload is vLLM's own
+``ExampleConnector``, which saves a prompt's KV and loads it back through the same
+cached-context path (``engine_reference``).
 """
 
 import pytest
@@ -122,19 +129,49 @@ def loaded_blocks(llm, first, second, loaded_tokens):
     return pairs_first, pairs_second
 
 
+def engine_reference(family, text, storage):
+    """The engine's own outputs for ``text`` without kvoffload: ``(cold, through a cached
+    context, that context's length)``. In bfloat16 (MLA) attending over a cached context
+    rounds differently from a full prefill, so a reload is compared with the engine's own
+    cached path of the same length (in float32 they agree).
+
+    Where the engine keeps its prefix cache, the second request is its own hit. Where vLLM
+    turned the prefix cache off (MLA on a CPU without AMX) that hit is always 0, whatever
+    kvoffload does; the cached path is then taken through vLLM's ``ExampleConnector``
+    (``storage``: its folder), whose hit is the prompt less its last token in whole blocks,
+    the length a reload gives."""
+    llm = engine(family)
+    try:
+        cold = greedy(llm, text, TOKENS)[0]
+        hit_output, hit = greedy(llm, text, TOKENS)
+        caching = llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    finally:
+        close_llm(llm)
+    if caching:
+        assert hit > 0, "the engine's own prefix cache missed the prompt it just computed"
+        return cold, hit_output, hit
+    assert hit == 0, hit
+    name, path = family
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+    llm = make_llm(path, max_model_len=2048, kv_transfer_config=example, **engine_args(name))
+    try:
+        assert greedy(llm, text, TOKENS) == (cold, 0)  # stores the prompt's KV
+        hit_output, hit = greedy(llm, text, TOKENS)  # loads it back
+    finally:
+        close_llm(llm)
+    assert hit > 0, "vLLM's ExampleConnector missed the prompt it just stored"
+    return cold, hit_output, hit
+
+
 def test_outputs_reloads_bytes_and_disk_across_engines(family, tmp_path):
     name, _ = family
     dtype = getattr(torch, engine_args(name).get("dtype", "float32"))
     text = word_text(31, PROMPT)
-    llm = engine(family)
-    try:
-        expected = greedy(llm, text, TOKENS)[0]
-        # The engine's own prefix-cache hit, the length a reload gives: in bfloat16 (MLA)
-        # attending over cached context rounds differently from a full prefill, so a
-        # reload is compared with the engine's own cached path (in float32 they agree).
-        expected_hit, engine_hit = greedy(llm, text, TOKENS)
-    finally:
-        close_llm(llm)
+    expected, expected_hit, engine_hit = engine_reference(family, text, tmp_path / "example")
 
     extra = {
         "cpu_bytes_to_use": 128 << 20,
