@@ -47,6 +47,17 @@ stacked manager to every tier). What a manager or policy may rely on:
   made loadable. ``reused``: keys loaded for it from the tier (completed loads), less the
   ones it inserted itself. Both are subsets of ``key_groups``' keys; any of them may have
   been evicted since. Hooks must ignore keys the tier does not hold.
+
+Session controls (``kvoffload.sessions`` defines them; every tier honours them, a stacked
+manager passes each to every tier): ``retain(session, keys, until)`` keeps the held ones
+among ``keys`` past eviction until ``until`` (``time.monotonic()`` seconds) or
+``release(session)``; eviction passes over a retained block as over a pinned one (it
+stays idle in ``stats``: loadable, not in use) and, once no session retains it, takes it
+in the policy's order. A tier retains at most its retention budget; keys beyond it are
+trimmed (tail first) and counted in the ``RetainOutcome``. ``retained(session)`` lists
+what a session holds and until when. ``prefetch(keys)`` (a stacked manager) promotes keys
+held only below the primary tier, after every request's own promotions. A tier without
+them retains nothing (the defaults).
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.keys import OffloadKey
+from kvoffload.sessions import RetainedBlock, RetainOutcome, SessionId
 from kvoffload.specs import LoadStoreSpec  # re-exported: part of the contract
 
 
@@ -255,6 +267,25 @@ class OffloadingManager(ABC):
     ) -> None:
         """A request announced by ``on_new_request`` ended (see the module docstring for
         when, and for what the arguments hold); the default does nothing."""
+
+    def retain(self, session: SessionId, keys: Sequence[OffloadKey], until: float) -> RetainOutcome:
+        """Retain the held ones among ``keys`` (head to tail) for ``session`` until ``until``
+        (see the module docstring); the default retains nothing."""
+        return RetainOutcome(absent=len(keys))
+
+    def release(self, session: SessionId) -> int:
+        """End ``session``'s retention now; how many blocks it retained here."""
+        return 0
+
+    def retained(self, session: SessionId) -> list[RetainedBlock]:
+        """The blocks ``session`` retains in this tier (expired ones excluded)."""
+        return []
+
+    def prefetch(self, keys: Sequence[OffloadKey]) -> int:
+        """Promote the keys held only below the primary tier into it, in the background and
+        after every request's own promotions; how many promotions were queued. The default
+        (a single tier) has nothing below it."""
+        return 0
 
     def close(self) -> None:
         """Release resources held by the tier."""
