@@ -44,8 +44,10 @@ fuzz: venv
 # Every C extension built with AddressSanitizer and UndefinedBehaviorSanitizer into
 # build/sanitize (the in-place build under src/ stays as it is), then the unit layer and the
 # disk, Redis and Mooncake tier tests run on it; any report fails (scripts/test_sanitize.py).
+# SANITIZE_SCOPE=ci is .ci/run's bounded form (the tests that call every extension, not the slow ones).
+SANITIZE_SCOPE ?= all
 test-sanitize: venv redis-server mooncake-libs
-	$(PY) scripts/test_sanitize.py
+	$(PY) scripts/test_sanitize.py $(SANITIZE_SCOPE)
 
 # vLLM releases after the CPU build's 0.32 (GPU-only wheels): installed without their
 # dependencies beside the environment, each in a folder of its own, for

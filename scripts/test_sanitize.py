@@ -4,7 +4,9 @@ and LeakSanitizer.
 1. Every extension is built with ``-fsanitize=address,undefined -fno-omit-frame-pointer``
    into ``build/sanitize`` beside a copy of the package (``scripts/build_extensions.py``);
    the in-place build under ``src/`` is left as it is.
-2. The unit layer (``make test-fast``'s tests) and the disk, Redis and Mooncake tier tests
+2. The tests of the scope named by the first argument (``all``, the default: the unit layer,
+   ``make test-fast``'s tests, and the disk, Redis and Mooncake tier tests; ``ci``, what
+   ``.ci/run`` runs: the folders whose tests call every extension, without the slow ones)
    run with that folder first on ``PYTHONPATH``, the ASan runtime preloaded (and libstdc++,
    whose ``__cxa_throw`` ASan intercepts: C++ libraries such as matplotlib's throw at import),
    ``PYTHONMALLOC=malloc`` (so that every ``PyMem`` buffer of the extensions is a malloc
@@ -105,14 +107,24 @@ def environment() -> dict[str, str]:
     return env
 
 
-RUNS = [
-    # the unit layer (make test-fast), without the folders other work owns in flux
-    ["-m", "not slow and not vllm and not redis and not mooncake and not s3",
-     "--ignore=tests/integrations/sglang", "--ignore=tests/tiers/s3"],
-    # the tier tests the unit layer leaves out: real redis-server and mooncake_master, slow ones
-    ["-m", "(slow or redis or mooncake) and not vllm", "tests/tiers/fs", "tests/tiers/redis",
-     "tests/tiers/mooncake"],
-]  # fmt: skip
+RUNS = {
+    "all": [
+        # the unit layer (make test-fast), without the folders other work owns in flux
+        ["-m", "not slow and not vllm and not redis and not mooncake and not s3",
+         "--ignore=tests/integrations/sglang", "--ignore=tests/tiers/s3"],
+        # the tier tests the unit layer leaves out: real redis-server and mooncake_master, slow ones
+        ["-m", "(slow or redis or mooncake) and not vllm", "tests/tiers/fs", "tests/tiers/redis",
+         "tests/tiers/mooncake"],
+    ],
+    # .ci/run's bounded form: the folders whose tests call every extension (block states and
+    # policies, decode-step passes, row copier, index parser, disk index and run reads, RESP
+    # batches and job queues), their fuzzing and native tests, without the slow ones
+    "ci": [
+        ["-m", "not slow and not vllm and not mooncake and not s3", "tests/native", "tests/fuzz",
+         "tests/policies", "tests/core", "tests/scheduler", "tests/transfer", "tests/index",
+         "tests/tiers/fs", "tests/tiers/redis"],
+    ],
+}  # fmt: skip
 
 
 def leaks(text: str) -> list[str]:
@@ -148,20 +160,24 @@ def judge() -> list[str]:
 
 
 def main() -> int:
+    scope = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if scope not in RUNS:
+        print(f"test_sanitize.py: unknown scope {scope!r}; one of {sorted(RUNS)}", file=sys.stderr)
+        return 2
     started = time.monotonic()
     build()
     shutil.rmtree(REPORTS, ignore_errors=True)
     REPORTS.mkdir(parents=True)
     env = environment()
     code = 0
-    for args in RUNS:
+    for args in RUNS[scope]:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
         print("+", " ".join(command), flush=True)
         code = subprocess.run(command, cwd=ROOT, env=env).returncode or code
     failures = judge()
     for failure in failures:
         print(failure, file=sys.stderr)
-    print(f"make test-sanitize: {len(failures)} reports failed, tests exit {code}, "
+    print(f"make test-sanitize ({scope}): {len(failures)} reports failed, tests exit {code}, "
           f"{time.monotonic() - started:.0f} s", flush=True)  # fmt: skip
     return 1 if failures or code else 0
 

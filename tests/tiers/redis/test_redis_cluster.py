@@ -22,8 +22,12 @@ def cluster(tmp_path):
 
 
 def test_blocks_spread_over_the_masters_and_survive_one_masters_death(cluster):
-    a = Replica(cluster.url, cluster=True)
-    b = Replica(cluster.url, seed=1, cluster=True)
+    # The dead master refuses connections at once (loopback); the live ones must answer
+    # within the timeout, which a loaded machine (or a sanitizer build) can stretch past the
+    # 1 s Replica default: a live master's timed-out lookup is a miss, not the fault tested.
+    slow_ok = {"timeout_s": 10.0, "connect_timeout_s": 5.0}
+    a = Replica(cluster.url, cluster=True, **slow_ok)
+    b = Replica(cluster.url, seed=1, cluster=True, **slow_ok)
     try:
         keys = [k(i) for i in range(48)]
         for start in range(0, 48, 16):
