@@ -18,6 +18,15 @@ semantics beyond the base contract:
   ``prepare_store`` returns ``None`` at once, without asking the policy, when fewer idle
   blocks than it must evict exist.
 * ``on_new_request`` and ``on_request_finished`` are passed on to the policy.
+* Session controls (``retain``, ``release``, ``retained``) keep a
+  ``kvoffload.retention.RetentionIndex`` of at most ``retention_fraction`` of its blocks,
+  with deadlines on ``clock`` (``time.monotonic`` by default). Any held key can be
+  retained (in flight, pinned or idle). ``prepare_store`` asks the policy to evict with
+  the retained keys protected, after ending the retentions due; with nothing retained it
+  costs nothing more. It still returns ``None`` at once when the idle blocks no session
+  retains are too few (counting those only when the retained ones could make the
+  difference). A block dropped otherwise (failed store, ``discard``, ``reset``) leaves
+  every retention.
 
 Its per-key work (the lookups of a prefix, pins and unpins, completions, new statuses, the
 slots of evictions) is one call each into ``kvoffload.policies.blocks``: C loops over its
@@ -26,7 +35,8 @@ table where ``kvoffload.policies._blocks`` was built, the same in Python otherwi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence, Set
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager import (
@@ -45,6 +55,7 @@ from kvoffload.policies.blocks import pin as _pin
 from kvoffload.policies.blocks import release as _release
 from kvoffload.policies.blocks import reserve as _reserve
 from kvoffload.policies.blocks import unpin as _unpin
+from kvoffload.retention import RetainingTier, RetentionIndex, retention_budget
 from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.validation import non_negative_int
 
@@ -53,7 +64,7 @@ _MISS = LookupResult.MISS
 _PENDING = LookupResult.PENDING
 
 
-class CPUOffloadingManager(OffloadingManager):
+class CPUOffloadingManager(RetainingTier, OffloadingManager):
     """Bookkeeping of ``num_blocks`` host blocks under an eviction policy."""
 
     medium = "CPU"
@@ -63,8 +74,12 @@ class CPUOffloadingManager(OffloadingManager):
         num_blocks: int,
         cache_policy: str | type[CachePolicy] = "lru",
         enable_events: bool = False,
+        retention_fraction: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.num_blocks = non_negative_int("num_blocks", num_blocks)
+        # Session retention, read-only outside (``retention.counts`` for metrics).
+        self.retention = RetentionIndex(retention_budget(num_blocks, retention_fraction), clock)
         self.policy: CachePolicy = resolve_policy(cache_policy)(num_blocks)
         self.enable_events = enable_events
         self._blocks: dict[OffloadKey, BlockStatus] = {}
@@ -146,9 +161,15 @@ class CPUOffloadingManager(OffloadingManager):
         if shortfall > 0:
             if len(new_keys) > self.num_blocks:
                 return None
-            if shortfall > len(blocks) - self._in_flight - self._pinned:
+            idle = len(blocks) - self._in_flight - self._pinned
+            if shortfall > idle:
                 return None  # fewer idle blocks than needed: no policy can help
-            victims = policy.evict(shortfall, set(keys))
+            retention = self.retention
+            if len(retention):
+                retention.expire()
+                if shortfall > idle - len(retention) and shortfall > idle - self._retained_idle():
+                    return None
+            victims = policy.evict(shortfall, retention.protect(set(keys)))
             if victims is None:
                 return None
             evicted = victims
@@ -184,6 +205,7 @@ class CPUOffloadingManager(OffloadingManager):
             del blocks[key]
             self.policy.remove(key)
             self._free.append(status.slot)
+            self.retention.forget((key,))
 
     def discard(self, keys: Sequence[OffloadKey]) -> None:
         blocks = self._blocks
@@ -196,6 +218,7 @@ class CPUOffloadingManager(OffloadingManager):
             self.policy.remove(key)
             self._free.append(status.slot)
             dropped.append(key)
+        self.retention.forget(dropped)
         if dropped and self.enable_events:
             self._events.append(OffloadingEvent(dropped, self.medium, True))
 
@@ -224,6 +247,14 @@ class CPUOffloadingManager(OffloadingManager):
         self._next_unused = 0
         self._free.clear()
         self._in_flight = self._pinned = 0
+        self.retention.clear()
+
+    def holds(self, key: OffloadKey) -> bool:
+        return key in self._blocks
+
+    def _retained_idle(self) -> int:
+        blocks = self._blocks
+        return sum(blocks[key].ref == 0 for key in self.retention)
 
     def on_new_request(self, request: RequestContext) -> None:
         self.policy.on_new_request(request)

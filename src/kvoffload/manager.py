@@ -55,9 +55,13 @@ among ``keys`` past eviction until ``until`` (``time.monotonic()`` seconds) or
 stays idle in ``stats``: loadable, not in use) and, once no session retains it, takes it
 in the policy's order. A tier retains at most its retention budget; keys beyond it are
 trimmed (tail first) and counted in the ``RetainOutcome``. ``retained(session)`` lists
-what a session holds and until when. ``prefetch(keys)`` (a stacked manager) promotes keys
-held only below the primary tier, after every request's own promotions. A tier without
-them retains nothing (the defaults).
+what a session holds and until when. Retention moves nothing in the policy's order and
+never pins: a retained block can be loaded, and is dropped like any other when it is
+found corrupt, when its store fails, or at ``reset``. ``prefetch(keys)`` (a stacked
+manager) promotes keys held only below the primary tier, after every request's own
+promotions and never more than a few at a time. A tier without them retains nothing (the
+defaults). A request's tier choice is the scheduler's to apply: a lookup that may not
+promote, a store it does not make, a write-through it limits.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.keys import OffloadKey
-from kvoffload.sessions import RetainedBlock, RetainOutcome, SessionId
+from kvoffload.sessions import NO_DIRECTIVES, RetainedBlock, RetainOutcome, SessionDirectives, SessionId
 from kvoffload.specs import LoadStoreSpec  # re-exported: part of the contract
 
 
@@ -90,12 +94,15 @@ class RequestContext:
     ``kv_transfer_params``), unchanged, empty when none; read them, never change them.
     ``group_tokens[g]``: the tokens one offloaded block of KV-cache group ``g`` spans (the
     scheduler fills it in), which places the keys of ``on_request_finished``'s
-    ``key_groups``.
+    ``key_groups``. ``directives``: what the request asks of the cache about itself
+    (``kvoffload.sessions``: its session, retention, release, prefetch, tier choice), as
+    an integration parsed it; ``NO_DIRECTIVES`` when none.
     """
 
     request_id: str
     hints: Mapping[str, Any] = field(default_factory=dict)
     group_tokens: tuple[int, ...] = ()
+    directives: SessionDirectives = NO_DIRECTIVES
 
 
 def prefix_order(request: RequestContext, key_groups: Sequence[Sequence[OffloadKey]]) -> list[OffloadKey]:

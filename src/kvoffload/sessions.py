@@ -24,10 +24,18 @@ starve the cache: each has a budget, an expiry and a tenant.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvoffload.keys import OffloadKey
+
+
+def positive_seconds(name: str, value: object) -> float:
+    """``value`` as a time to live: ``ValueError`` naming ``name`` unless a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True, order=True)
@@ -121,6 +129,12 @@ class SessionDirectives:
     release: bool = False
     prefetch: bool = False
     tiers: TierChoice = EVERY_TIER
+
+    def __post_init__(self) -> None:
+        if self.session is not None and not isinstance(self.session, SessionId):
+            raise TypeError(f"directives' session must be a SessionId, got {self.session!r}")
+        if self.retain_s is not None:
+            positive_seconds("retain_s", self.retain_s)
 
 
 NO_DIRECTIVES = SessionDirectives()

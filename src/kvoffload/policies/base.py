@@ -7,7 +7,10 @@ eviction (``remove``); the policy reads each block's ``ref`` to skip blocks that
 evicted: in flight (``-1``) or pinned (``> 0``).
 
 ``evict(n, protected)`` is all-or-nothing: it returns ``n`` evictable keys not in
-``protected`` (and forgets them), or ``None`` and changes nothing. It returns at once
+``protected`` (and forgets them), or ``None`` and changes nothing. ``protected`` is only
+tested with ``in``: the manager passes the keys of the store and, while sessions retain
+blocks, the retained ones (``kvoffload.retention``), which a policy passes over as over
+pinned blocks, keeping their place. It returns at once
 (``[]`` for ``n <= 0``, ``None`` when it tracks fewer than ``n`` keys) without looking at a
 block; ``CPUOffloadingManager`` counts its idle blocks and does not ask when it has fewer
 than ``n``.

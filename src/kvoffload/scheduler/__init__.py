@@ -7,6 +7,8 @@ from kvoffload._lazy import lazy_exports
 _EXPORTS = {
     "OffloadingScheduler": "kvoffload.scheduler.core",
     "SchedulerStats": "kvoffload.scheduler.state",
+    "SessionRegistry": "kvoffload.scheduler.sessions",
+    "SessionStats": "kvoffload.scheduler.sessions",
     "EVENT_MODES": "kvoffload.scheduler.events",
     "EventConverter": "kvoffload.scheduler.events",
     "KVGroup": "kvoffload.scheduler.types",

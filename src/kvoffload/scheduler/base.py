@@ -13,13 +13,16 @@ from collections.abc import Mapping, Sequence
 
 from kvoffload.events.types import KVEvent
 from kvoffload.keys import BlockHasher, OffloadKey
-from kvoffload.manager import OffloadingManager
+from kvoffload.manager import OffloadingManager, RequestContext
 from kvoffload.scheduler.blocks import BlockKeys
 from kvoffload.scheduler.events import EventConverter
 from kvoffload.scheduler.reuse import DEFAULT_MEMORY, ReuseFilter
+from kvoffload.scheduler.sessions import SessionRegistry
 from kvoffload.scheduler.state import Job, RequestState, SchedulerStats
 from kvoffload.scheduler.types import BlockExtraKeys, KVGroup, TransferJob, view_extra_keys
 from kvoffload.validation import positive_int
+
+_NEVER = float("inf")
 
 
 class SchedulerBase:
@@ -110,6 +113,11 @@ class SchedulerBase:
         self.offload_prompt_only = offload_prompt_only
         self.stats = SchedulerStats()
         self.tokens_by_source: dict[str, int] = {}  # tokens_loaded per source medium (sources.py)
+        # session controls (kvoffload.scheduler.sessions); an integration may replace it with
+        # one configured otherwise before the first request
+        self.sessions = SessionRegistry(manager)
+        # requests whose tier choice stores to some lower tiers only: req_id -> those media
+        self._store_limits: dict[str, frozenset[str]] = {}
 
     @property
     def num_requests(self) -> int:
@@ -136,12 +144,27 @@ class SchedulerBase:
             self._unfolded = None
             self._running_computed.update(zip(ids, computed))
 
+    def _store_start(self, context: RequestContext) -> float:
+        """A new (or reset) request's first store bound: at once, or never for one whose
+        tier choice stores nowhere."""
+        return _NEVER if context.directives.tiers.stores_nowhere else 0
+
     def _forget(self, req_id: str) -> None:
         """The request is gone from ``_requests``: drop what the decode steps keep of it."""
         self._fold_running()
         self._quiet = None
         self._store_at.pop(req_id, None)
         self._running_computed.pop(req_id, None)
+        if self._store_limits:
+            self._store_limits.pop(req_id, None)
+
+    def _limit_stores(self, parts: list[tuple[str, list[OffloadKey]]]) -> None:
+        """Before a store job completes: its requests' tier choices for the write-through."""
+        limits = self._store_limits
+        for req_id, keys in parts:
+            media = limits.get(req_id)
+            if media is not None:
+                self.manager.limit_write_through(keys, media)
 
     def _remember(self, state: RequestState, hashes, g: int, j: int, key: OffloadKey) -> None:
         """What offloaded block ``j`` of group ``g`` holds, for its ``BlockStored``."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvoffload.events.types import KVEvent
+from kvoffload.manager import prefix_order
 from kvoffload.scheduler.base import SchedulerBase
 from kvoffload.scheduler.state import RequestState
 
@@ -46,8 +47,10 @@ class Completion(SchedulerBase):
                     for keys in self._chains.promoted(job.token, success).values():
                         self.manager.prepare_load(keys)  # loadable now: pinned for its load
             elif job.is_store:
-                self.manager.complete_store(job.keys, success)
                 parts = job.parts if job.parts is not None else [(job.req_id, job.keys)]
+                if success and self._store_limits:
+                    self._limit_stores(parts)
+                self.manager.complete_store(job.keys, success)
                 if success:
                     self.stats.blocks_stored += len(job.keys)
                     requests = self._requests
@@ -157,7 +160,7 @@ class Completion(SchedulerBase):
         for state in self._requests.values():
             state.stored_blocks = [0] * len(self.groups)
             state.loaded_range = []
-            self._store_at[state.request.request_id] = 0
+            self._store_at[state.request.request_id] = self._store_start(state.context)
             self._quiet = None
             self._finish(state)  # no request's lifecycle spans a reset
         self._wire_events += self._events.convert(self.manager.take_events())
@@ -192,3 +195,5 @@ class Completion(SchedulerBase):
         self.manager.on_request_finished(
             state.context, key_groups, state.inserted, state.reused - state.inserted
         )
+        if state.context.directives.session is not None:
+            self.sessions.on_finished(state.context, prefix_order(state.context, key_groups))

@@ -22,7 +22,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from operator import attrgetter
 from typing import Any
 
@@ -35,6 +36,7 @@ from kvoffload.scheduler.chains import LoadChains
 from kvoffload.scheduler.sources import tokens_by_source
 from kvoffload.scheduler.state import RequestState
 from kvoffload.scheduler.types import RequestView, TransferJob
+from kvoffload.sessions import NO_DIRECTIVES, SessionDirectives
 
 _ref = attrgetter("ref")
 
@@ -60,11 +62,17 @@ class Loads(SchedulerBase):
     # -- matching ----------------------------------------------------------------------
 
     def match(
-        self, request: RequestView, num_computed_tokens: int, hints: Mapping[str, Any] | None = None
+        self,
+        request: RequestView,
+        num_computed_tokens: int,
+        hints: Mapping[str, Any] | None = None,
+        directives: SessionDirectives | None = None,
     ) -> int | None:
         """``hints``: what the engine passed with the request for offloading (vLLM's
-        ``kv_transfer_params``); the first match's go into the request's context."""
-        state = self._state(request, hints)
+        ``kv_transfer_params``); ``directives``: its session controls, as the integration
+        parsed them (``kvoffload.sessions``). The first match's go into the request's
+        context (and ``scheduler.sessions`` hears of its arrival)."""
+        state = self._state(request, hints, directives)
         state.matched_from = num_computed_tokens
         if state.load_failed:
             return 0
@@ -78,10 +86,14 @@ class Loads(SchedulerBase):
                 state.touched_blocks[g] = len(keys)
                 self._reuse.count(keys)
                 self.manager.touch(keys)
+        load_from = state.context.directives.tiers.load_from
+        lookup = self.manager.lookup if load_from is None else self._lookup_within(load_from)
+        if lookup is None:
+            return 0  # it may not load from the primary tier: it loads nothing
         # The engine must compute at least one prompt token itself.
         limit = request.num_prompt_tokens - 1
         hit_tokens = limit
-        chain = self.chain_promotions and getattr(self.manager, "chain_prefix", None)
+        chain = self.chain_promotions and load_from is None and getattr(self.manager, "chain_prefix", None)
         waited: list[tuple[int, int, list[OffloadKey]]] = []  # (group, start, keys looked up)
         for g in self._offloaded:
             if self.groups[g].is_state:
@@ -99,7 +111,7 @@ class Loads(SchedulerBase):
                     hit_tokens = min(hit_tokens, (start + found) * tokens)
                     continue
             for j, key in enumerate(keys, start):
-                result = self.manager.lookup(key)
+                result = lookup(key)
                 if result is LookupResult.HIT:
                     if not waiting:
                         hits += 1
@@ -128,7 +140,7 @@ class Loads(SchedulerBase):
                     return None
                 hit_tokens = min(hit_tokens, (start + count) * self._tokens[g])
         for g in self._states:
-            hit_tokens = self._state_hit(state, hashes, g, num_computed_tokens, hit_tokens)
+            hit_tokens = self._state_hit(state, hashes, g, num_computed_tokens, hit_tokens, lookup)
             if hit_tokens is None:
                 return None
         return max(0, hit_tokens - num_computed_tokens)
@@ -144,8 +156,18 @@ class Loads(SchedulerBase):
         self.manager.count_lookups(end, int(end < len(statuses)))
         return end
 
+    def _lookup_within(self, load_from: frozenset[str]) -> Callable[[OffloadKey], LookupResult] | None:
+        """The lookup of a request that may load only from the tiers in ``load_from``
+        (``kvoffload.sessions.TierChoice``): promoting from those alone; ``None`` when the
+        primary tier is not among them."""
+        manager = self.manager
+        if manager.medium not in load_from:
+            return None
+        within = getattr(manager, "lookup_within", None)
+        return manager.lookup if within is None else partial(within, load_from=load_from)
+
     def _state_hit(
-        self, state: RequestState, hashes, g: int, num_computed_tokens: int, bound: int
+        self, state: RequestState, hashes, g: int, num_computed_tokens: int, bound: int, lookup
     ) -> int | None:
         """The most tokens up to ``bound`` that end on a stored state of group ``g`` (the
         states before it are not needed), ``num_computed_tokens`` without one; ``None``
@@ -155,7 +177,7 @@ class Loads(SchedulerBase):
         top = min(self._blocks.num_full(hashes, g), bound // tokens)
         keys = self._blocks.request_keys(state.keys[g], hashes, g, start, top)
         for j in range(top - 1, start - 1, -1):
-            result = self.manager.lookup(keys[j - start])
+            result = lookup(keys[j - start])
             if result is LookupResult.HIT:
                 return (j + 1) * tokens
             if result is not LookupResult.MISS:
@@ -164,17 +186,25 @@ class Loads(SchedulerBase):
                 return None
         return num_computed_tokens
 
-    def _state(self, request: RequestView, hints: Mapping[str, Any] | None) -> RequestState:
+    def _state(
+        self, request: RequestView, hints: Mapping[str, Any] | None, directives: SessionDirectives | None
+    ) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             n = len(self.groups)
-            context = RequestContext(request.request_id, hints or {}, tuple(self._tokens))
+            context = RequestContext(
+                request.request_id, hints or {}, tuple(self._tokens), directives or NO_DIRECTIVES
+            )
             state = RequestState(request, context, [[] for _ in range(n)], [0] * n, [0] * n)
             state.keys, state.loaded_blocks = [[] for _ in range(n)], [0] * n
             self._requests[request.request_id] = state
-            self._store_at[request.request_id] = 0  # nothing offered yet: look at its first step
+            self._store_at[request.request_id] = self._store_start(context)
+            store_to = context.directives.tiers.store_to
+            if store_to and hasattr(self.manager, "limit_write_through"):
+                self._store_limits[request.request_id] = store_to
             self._quiet = None
             self.manager.on_new_request(context)
+            self.sessions.on_arrival(context)
         return state
 
     # -- allocation and loads ------------------------------------------------------------

@@ -21,6 +21,11 @@ with exactly this outcome.
 A request that loaded blocks from the tier is not offered them for storing again: they
 are in the tier already (``RequestState.loaded_range``).
 
+Tier choice (``kvoffload.sessions.TierChoice``): a request that stores nowhere is never
+offered anything (its store bound is never); one that stores to some lower tiers only
+has its blocks written through to those alone (the tiered manager's
+``limit_write_through``, said just before its store job completes).
+
 Reuse filter: with ``store_threshold=n > 1`` a block is offered for storing only once
 ``n`` requests asked for it (``kvoffload.scheduler.reuse``); the blocks held back are
 counted in ``stats.skipped_stores``.
@@ -169,7 +174,10 @@ class Stores(RunningStores):
         self, req_id: str, state: RequestState, num_computed_tokens: int, states: Iterable = ()
     ) -> Offer:
         """The blocks of the request to store now, in group-major order (its
-        ``stored_blocks`` move past them, and its next store bound with them)."""
+        ``stored_blocks`` move past them, and its next store bound with them); none for
+        a request whose tier choice stores nowhere."""
+        if state.context.directives.tiers.stores_nowhere:
+            return req_id, state, (), []
         hashes = self._blocks.hashes(state.request)
         candidates: list[Candidate] = []
         f = self.blocks_per_offload_block

@@ -25,6 +25,10 @@ never calls the store or waits:
   may have emptied it) every idle indexed block leaves the index at once (counted
   ``gone``, announced removed if ours) and is found again by probes if it is still there.
   A failed promotion ``discard``s its keys and they answer ``MISS`` for a while.
+* Session retention is the index's (``CPUOffloadingManager``'s: ``retention_fraction`` of
+  ``capacity``, deadlines on ``clock``): its evictions, and so the deletions of
+  ``delete_on_evict``, pass over retained blocks. The store's own eviction is not ours
+  to stop: a retained block the store drops (``gone``, ``lost``) leaves the retention.
 * Events: only blocks this engine stored are announced (``removed=False`` at
   ``complete_store``), and only those announced are later announced removed, whatever
   removed them (our eviction, the store's). Blocks adopted from other replicas are not
@@ -52,6 +56,7 @@ from kvoffload.manager import (
     TierStats,
 )
 from kvoffload.policies import CachePolicy
+from kvoffload.sessions import RetainedBlock, RetainOutcome, SessionId
 from kvoffload.specs import RemoteLoadStoreSpec
 from kvoffload.tiers.shared_store_lookups import StoreLookups
 
@@ -91,8 +96,12 @@ class SharedStoreManager(OffloadingManager):
         absent_ttl: float = 2.0,
         reconcile_interval: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        retention_fraction: float = 0.25,
     ) -> None:
-        self._book = CPUOffloadingManager(capacity, cache_policy, enable_events=True)
+        self._book = CPUOffloadingManager(
+            capacity, cache_policy, enable_events=True, retention_fraction=retention_fraction, clock=clock
+        )
+        self.retention = self._book.retention  # read-only outside (counts for metrics)
         self._remote = lookups
         self.enable_events = enable_events
         self.delete_on_evict = delete_on_evict
@@ -297,6 +306,16 @@ class SharedStoreManager(OffloadingManager):
         reused: Set[OffloadKey],
     ) -> None:
         self._book.on_request_finished(request, key_groups, inserted, reused)
+
+    def retain(self, session: SessionId, keys: Sequence[OffloadKey], until: float) -> RetainOutcome:
+        self._absorb()  # what the store dropped is not held
+        return self._book.retain(session, keys, until)
+
+    def release(self, session: SessionId) -> int:
+        return self._book.release(session)
+
+    def retained(self, session: SessionId) -> list[RetainedBlock]:
+        return self._book.retention.retained(session, self.medium)
 
     def close(self) -> None:
         self._remote.close()

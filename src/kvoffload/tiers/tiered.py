@@ -43,6 +43,9 @@ answers itself and hands the counts to the tiers once per step (``take_transfers
 Everything here is bookkeeping on the scheduler thread: no I/O, no waiting. Events of
 every tier are passed on with their own medium. ``reset`` drops every tier.
 
+Session controls (retention in every tier, prefetch below every request's promotions):
+``kvoffload.tiers.tiered_sessions``.
+
 Request hooks (``on_new_request``, ``on_request_finished``) go to every tier, the primary
 first, with the same arguments: ``inserted`` and ``reused`` name the primary's keys (the
 engine stores to and loads from it alone; a block found below is promoted first). A
@@ -68,6 +71,7 @@ from kvoffload.manager import (
 )
 from kvoffload.specs import LoadStoreSpec
 from kvoffload.tiers.chained import ChainedLoads
+from kvoffload.tiers.tiered_sessions import TieredSessions
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -91,7 +95,7 @@ class _Transfer:
     keys: list[OffloadKey]
 
 
-class TieredOffloadingManager(ChainedLoads, OffloadingManager):
+class TieredOffloadingManager(TieredSessions, ChainedLoads, OffloadingManager):
     """``primary`` (the CPU tier) over ``secondaries``, fastest first."""
 
     def __init__(
@@ -99,8 +103,12 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
         primary: CPUOffloadingManager,
         secondaries: Sequence[OffloadingManager],
         admit: Sequence[Admit | None] | None = None,
+        *,
+        prefetch_in_flight: int = 2,
+        prefetch_batch: int = 64,
     ) -> None:
-        """``admit[i]`` (default: every block) decides which blocks go to secondary ``i``."""
+        """``admit[i]`` (default: every block) decides which blocks go to secondary ``i``;
+        ``prefetch_*``: how prefetches are bounded (``kvoffload.tiers.tiered_sessions``)."""
         if not secondaries:
             raise ValueError("a tiered manager needs at least one secondary tier")
         media = [primary.medium, *(tier.medium for tier in secondaries)]
@@ -125,6 +133,7 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
         # key -> secondary it was promoted from, until its first load (or a bound): a load
         # that found it there reports that tier as its source (metrics only)
         self._promoted_from: dict[OffloadKey, int] = {}
+        self._init_prefetch(prefetch_in_flight, prefetch_batch)
         # Every secondary's ``probe`` (an in-memory index says at once whether the tier
         # holds a key; ``count_lookups`` takes what was answered from it), or None where
         # one tier has none (a remote tier must ask).
@@ -141,6 +150,10 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
     # -- lookups -------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey) -> LookupResult:
+        return self._lookup(key, None)
+
+    def _lookup(self, key: OffloadKey, load_from: frozenset[str] | None) -> LookupResult:
+        """``lookup``, asking for promotions only from the tiers in ``load_from`` (all: None)."""
         result = self.primary.lookup(key)
         if result is not _MISS:
             return result
@@ -158,6 +171,8 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
             del self._declined[key]
         waiting = False
         for index, tier in enumerate(self.secondaries):
+            if load_from is not None and tier.medium not in load_from:
+                continue
             result = tier.lookup(key)
             if result is _HIT:
                 self._wanted[key] = index
@@ -250,11 +265,16 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
         primary.complete_store(keys, success)
         if in_flight:
             self._write_through(in_flight)
+        if self._write_limits:
+            self._write_limits.clear()
 
     def _write_through(self, keys: list[OffloadKey]) -> None:
         for index, tier in enumerate(self.secondaries):
             admit = self._admit[index]
             chosen = keys if admit is None else [key for key in keys if admit(key)]
+            if self._write_limits:  # a request's tier choice (limit_write_through)
+                limits, medium = self._write_limits, tier.medium
+                chosen = [key for key in chosen if medium in limits.get(key, (medium,))]
             if not chosen:
                 continue
             out = tier.prepare_store(chosen)
@@ -273,6 +293,7 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
         transfers = [self._new_transfer(False, index, out.keys_to_store, cpu, out.store_spec)
                      for index, out, cpu in self._writes]  # fmt: skip
         self._writes = []
+        requests_waiting = bool(self._planned or self._wanted)
         if self._planned:
             transfers += self._planned
             self._planned = []
@@ -285,9 +306,11 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
                 transfer = self._promote(index, keys)
                 if transfer is not None:
                     transfers.append(transfer)
+        if not requests_waiting:
+            transfers += self._take_prefetches()
         return transfers
 
-    def _promote(self, index: int, keys: list[OffloadKey]) -> TierTransfer | None:
+    def _promote(self, index: int, keys: list[OffloadKey], decline: bool = True) -> TierTransfer | None:
         tier = self.secondaries[index]
         # A key may have gone from the secondary (evicted) or reached the primary since.
         keys = [key for key in keys if tier.lookup(key) is _HIT and self.primary.state(key) is None]
@@ -298,7 +321,7 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
         count, out = len(keys), None
         while count and (out := self.primary.prepare_store(keys[:count])) is None:
             count //= 2
-        for key in keys[count:]:
+        for key in keys[count:] if decline else ():
             self._declined[key] = self._step
         if out is None or not out.keys_to_store:
             return None
@@ -328,6 +351,7 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
         if transfer is None:
             raise KeyError(f"unknown tier transfer {token}")
         tier = self.secondaries[transfer.tier]
+        self._prefetching.discard(token)
         if transfer.promotion:
             tier.complete_load(transfer.keys)
             self.primary.complete_store(transfer.keys, success)
@@ -385,6 +409,8 @@ class TieredOffloadingManager(ChainedLoads, OffloadingManager):
         self._writes.clear()
         self._transfers.clear()
         self._promoted_from.clear()
+        self._prefetch_queue.clear()
+        self._prefetching.clear()
 
     def stats(self) -> TierStats:
         self._count_lookups()

@@ -29,6 +29,8 @@ Specs are ``DiskLoadStoreSpec(slots, keys)``.
   worker has already invalidated them on disk): misses from then on, one
   ``removed=True`` event, counted in ``counters().discarded``.
 * ``on_new_request``/``on_request_finished`` are passed on to the eviction order.
+* Session retention as the CPU tier's (``kvoffload.retention``; ``retention_fraction``
+  of its slots, deadlines on ``clock``): eviction passes over retained blocks.
 * ``counters()`` adds the tier's own counts to ``stats()``: blocks rebuilt, torn records
   left out at start-up, duplicates, discards.
 """
@@ -37,7 +39,8 @@ from __future__ import annotations
 
 import array
 import os
-from collections.abc import Iterable, Sequence, Set
+import time
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +57,7 @@ from kvoffload.manager import (
 )
 from kvoffload.policies import CachePolicy, resolve_policy
 from kvoffload.private import open_private
+from kvoffload.retention import RetainingTier, RetentionIndex, retention_budget
 from kvoffload.specs import MEDIUM_DISK, DiskLoadStoreSpec
 from kvoffload.tiers.fs.format import INFO_FILE, MAX_KEY_BYTES, Geometry
 from kvoffload.tiers.fs.index import SlotIndex, _slotfind
@@ -83,7 +87,7 @@ class FSManagerCounters(Counters):
     evictions: int = 0
 
 
-class FSOffloadingManager(OffloadingManager):
+class FSOffloadingManager(RetainingTier, OffloadingManager):
     """Bookkeeping of the disk tier's slots under ``<root_dir>/<namespace>``."""
 
     medium = MEDIUM_DISK
@@ -101,6 +105,8 @@ class FSOffloadingManager(OffloadingManager):
         verify_on_start: bool = False,
         info: str | Sequence[str] | None = None,
         rank_namespaces: Sequence[str] = (),
+        retention_fraction: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``block_bytes``: payload bytes of one block (the host pool's bytes per host
         block); ``max_key_bytes``: the longest key (``OffloadKey`` of a 32-byte hash is
@@ -111,6 +117,7 @@ class FSOffloadingManager(OffloadingManager):
         self.geometry = Geometry(positive_int("block_bytes", block_bytes))
         self.num_blocks = self.geometry.num_slots(bytes_to_use)
         self.bytes_to_use = bytes_to_use
+        self.retention = RetentionIndex(retention_budget(self.num_blocks, retention_fraction), clock)
         if not 0 < positive_int("max_key_bytes", max_key_bytes) <= MAX_KEY_BYTES:
             raise ValueError(f"max_key_bytes must be at most {MAX_KEY_BYTES}, got {max_key_bytes}")
         policy_cls = resolve_policy(cache_policy)
@@ -277,7 +284,10 @@ class FSOffloadingManager(OffloadingManager):
         if shortfall > 0:
             if len(new_keys) > self.num_blocks:
                 return None
-            victims = order.evict(shortfall, set(keys), set(present))
+            retention = self.retention
+            retention.expire()
+            named_keys, named_slots = retention.protect(set(keys)), set(present)
+            victims = order.evict(shortfall, named_keys, retention.protect(named_slots, index.key_of))
             if victims is None:
                 return None
             evicted = index.keys_of(victims)  # OffloadKey is bytes
@@ -319,7 +329,11 @@ class FSOffloadingManager(OffloadingManager):
         if done and self.enable_events:
             self._events.append(OffloadingEvent(done, self.medium, False))
 
+    def holds(self, key: OffloadKey) -> bool:
+        return self._find(key) >= 0
+
     def _drop(self, key: OffloadKey, slot: int) -> None:
+        self.retention.forget((key,))
         self.order.remove(key, slot)
         self._index.remove(slot)
         self._state[slot] = _FREE
@@ -360,6 +374,7 @@ class FSOffloadingManager(OffloadingManager):
         del self._free[:]
         self._in_flight = 0
         self._pinned = 0
+        self.retention.clear()
 
     def stats(self) -> TierStats:
         return TierStats(
