@@ -7,7 +7,8 @@ Each table lies between marker comments, ``<!-- keys:NAME -->`` and ``<!-- /keys
 only the text between them is rewritten. ``NAME`` is one of ``TABLES``: the connector's
 extra config (``kvoffload.integrations.vllm.config.EXTRA_CONFIG``, needs vLLM installed) and
 each built-in tier type's entry (``FS_KEYS``, ``REDIS_KEYS``, ``MOONCAKE_KEYS``, ``S3_KEYS``), and the SGLang
-backend's extra config (``kvoffload.integrations.sglang.config.STORAGE_CONFIG``). ``tests`` checks that
+backend's extra config (``kvoffload.integrations.sglang.config.STORAGE_CONFIG``), and the session controls'
+kv_hints actions and kv_transfer_params keys (``kvoffload.directives``). ``tests`` checks that
 README.md is what this script writes.
 """
 
@@ -59,6 +60,26 @@ def _s3() -> str:
     return S3_KEYS.markdown('`"type": "s3"` key')
 
 
+def _actions() -> str:
+    from kvoffload.directives import ACTION_MEANINGS, ACTION_VERSION, ACTIONS
+
+    lines = ["| `action_type` | `action_version` | payload | meaning |", "|---|---|---|---|"]
+    for name, schema in ACTIONS.items():
+        keys = (
+            "; ".join(f"`{k.name}` ({k.kind.shown}; {k.default_text()}): {k.meaning}" for k in schema.keys)
+            or "`{}`"
+        )
+        cells = (f"`{name}`", f'`"{ACTION_VERSION}"`', keys, ACTION_MEANINGS[name])
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _session_params() -> str:
+    from kvoffload.directives import PARAMS, PARAMS_KEY
+
+    return PARAMS.markdown(f'`kv_transfer_params["{PARAMS_KEY}"]` key')
+
+
 def _sglang() -> str:
     from kvoffload.integrations.sglang.config import STORAGE_CONFIG
 
@@ -72,6 +93,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "redis": _redis,
     "mooncake": _mooncake,
     "s3": _s3,
+    "session-actions": _actions,
+    "session-params": _session_params,
 }
 
 

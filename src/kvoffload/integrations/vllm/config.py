@@ -29,10 +29,12 @@ from kvoffload.settings import (
     POSITIVE_INT,
     REQUIRED,
     Key,
+    Kind,
     Schema,
     custom,
     one_of,
     seconds,
+    text,
 )
 from kvoffload.tiers.factory import EVICTION_POLICY, TierConfig
 from kvoffload.tiers.secondary import parse_secondary_tiers
@@ -40,6 +42,13 @@ from kvoffload.tiers.secondary import parse_secondary_tiers
 DEFAULT_SWITCH_INTERVAL_S = 0.0002
 DEFAULT_IDLE_WAIT_S = 0.001
 DEFAULT_SYNC_LOAD_BUDGET_BYTES = 16 << 20
+DEFAULT_CONTROL_HOST = "127.0.0.1"
+DEFAULT_CONTROL_TIMEOUT_S = 5.0
+PORT = Kind(
+    "int in [0, 65535]",
+    "be a port number in [0, 65535]",
+    lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 65535,
+)
 
 
 def _tiers(where: str, value: Any) -> tuple:
@@ -117,6 +126,18 @@ EXTRA_CONFIG = Schema((
         "KV-cache group only: vLLM cannot undo a failed load of a request already running on a model with "
         "several",
         shown_default="`16777216` (16 MiB)"),
+    Key("control_port", PORT, None,
+        "serve the session control endpoint (retain, release, prefetch, inspect: README's \"Sessions and "
+        "controls\") on this port beside the engine (data-parallel engines: this port plus each engine's "
+        "local rank); `0` takes a free port (logged)",
+        shown_default="off"),
+    Key("control_host", text("address", "be a non-empty address", bool), DEFAULT_CONTROL_HOST,
+        "the address the control endpoint binds to; anything but loopback should set `control_token`"),
+    Key("control_token", text("string", "be a non-empty string", bool), None,
+        "a bearer token every control request must carry (`Authorization: Bearer ...`)",
+        shown_default="none"),
+    Key("control_timeout_s", seconds(0.01, 600), DEFAULT_CONTROL_TIMEOUT_S,
+        "how long a control request waits for the engine's scheduler to take it before it is answered 503"),
 ), where="kv_connector_extra_config[{key!r}]",
    unknown="unknown kv_connector_extra_config key(s) {unknown}; known: {known}")  # fmt: skip
 KNOWN_KEYS = EXTRA_CONFIG.names
@@ -147,6 +168,10 @@ class OffloadConfig:
     offload_prompt_only: bool = False
     store_threshold_memory: int = DEFAULT_MEMORY
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET_BYTES
+    control_port: int | None = None  # the session control endpoint: None = off
+    control_host: str = DEFAULT_CONTROL_HOST
+    control_token: str | None = None
+    control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) -> OffloadConfig:
@@ -197,4 +222,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
         values["offload_prompt_only"],
         values["max_tracker_size"],
         values["sync_load_budget_bytes"],
+        values["control_port"],
+        values["control_host"],
+        values["control_token"],
+        values["control_timeout_s"],
     )

@@ -8,16 +8,20 @@ Enable with::
                         "kv_connector_extra_config": {"cpu_bytes_to_use": 4 << 30}}
 
 The connector is a thin adapter: the scheduler role delegates to ``SchedulerSide`` (an
-``OffloadingScheduler`` over the tiers' manager), the worker role to ``WorkerSide`` (the
-tiers' worker); both halves are built by ``kvoffload.tiers.factory`` from one config.
+``OffloadingScheduler`` over the tiers' manager) and to ``SessionSide`` (requests' session
+directives, the control endpoint; each of vLLM's scheduler-side calls holds the lock its
+commands take while the engine idles), the worker role to ``WorkerSide`` (the tiers'
+worker); both halves are built by ``kvoffload.tiers.factory`` from one config.
 Loads are asynchronous: a request with offloaded hits waits until its load finished, then
 runs with those tokens computed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvoffload.integrations.vllm.config import parse_extra_config
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+from kvoffload.integrations.vllm.sessions import SessionSide
 from kvoffload.integrations.vllm.stats import (
     KVOffloadConnectorStats,
     KVOffloadPromMetrics,
@@ -76,6 +81,18 @@ def warn_failure_policy(config: Any, kv_transfer_config: Any) -> bool:
     return True
 
 
+def _serial(method: Callable) -> Callable:
+    """A scheduler-side call of vLLM's, under the connector's lock: a session control that
+    runs while the engine idles (``kvoffload.control.queue``) never runs inside one."""
+
+    @functools.wraps(method)
+    def call(self: KVOffloadConnector, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -88,9 +105,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._scheduler_metrics: SchedulerMetrics | None = None
+        self._sessions: SessionSide | None = None
+        self._lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             warn_failure_policy(config, vllm_config.kv_transfer_config)
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, config)
+            self._sessions = SessionSide(vllm_config, self._scheduler, config, self._lock)
             names = [tier.type_name for tier in config.tiers.secondary_tiers]
             self._scheduler_metrics = SchedulerMetrics(
                 self._scheduler.scheduler, names, self._scheduler.config_info
@@ -146,6 +166,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler_metrics.close()
         if self._worker is not None:
             self._worker.shutdown()
+        if self._sessions is not None:
+            self._sessions.close()
         if self._scheduler is not None:
             self._scheduler.manager.close()  # e.g. the disk tier's lock on its namespace
 
@@ -158,32 +180,51 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 f"vLLM's null block is {null}, kvoffload assumed {self._scheduler.scheduler.null_block_id}"
             )
 
+    @_serial
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+        side = self._scheduler_side()
+        return side.get_num_new_matched_tokens(
+            request, num_computed_tokens, self._sessions.directives(request)
+        )
 
+    @_serial
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @_serial
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._scheduler_side().build_connector_meta(scheduler_output)
+        side = self._scheduler_side()
+        self._sessions.drain()  # control commands first, on the scheduler thread
+        return side.build_connector_meta(scheduler_output)
 
+    @_serial
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler_side().update_connector_output(connector_output)
 
+    @_serial
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_side().request_finished(request), None
+        """The ``kv_transfer_params`` returned: the request's session directives, when it had any."""
+        return self._finished(request)
 
+    @_serial
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_side().request_finished(request), None
+        return self._finished(request)
 
+    def _finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        delay_free = self._scheduler_side().request_finished(request)
+        return delay_free, self._sessions.finished(request.request_id)
+
+    @_serial
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler_side().take_events()
 
+    @_serial
     def reset_cache(self) -> bool | None:
         return self._scheduler_side().reset_cache()
 
+    @_serial
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """Tokens of the request's load by where they were found: ``host``, ``disk`` (promoted
         from the disk tier for it), ``external_unspecified`` (the shared tier)."""

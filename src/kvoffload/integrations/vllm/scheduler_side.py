@@ -29,6 +29,7 @@ from kvoffload.integrations.vllm.layout import host_block_bytes
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.scheduler import OffloadingScheduler, RunningRequests, StepRequest
 from kvoffload.scheduler.passes import tokens_after
+from kvoffload.sessions import NO_DIRECTIVES, SessionDirectives
 from kvoffload.tiers.factory import build_manager
 
 # vLLM's block pool hands out block 0 as its null block, the placeholder for positions
@@ -121,13 +122,19 @@ class SchedulerSide:
         self._bytes_per_token = block_bytes / (groups[0].block_size * f) if len(groups) == 1 else 0.0
         self._sync_requests: set[str] = set()  # this step's, while it is being scheduled
         self._sync_bytes = 0.0
+        # what the session controls need of this engine (kvoffload.integrations.vllm.sessions)
+        self.media = [self.manager.medium, *(t.medium for t in getattr(self.manager, "secondaries", ()))]
+        self.offloaded = offloaded
+        self.hash_block_size = hash_block_size
+        self.block_tokens = [groups[g].block_size * f for g in offloaded]
 
     def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int, directives: SessionDirectives = NO_DIRECTIVES
     ) -> tuple[int | None, bool]:
-        # vLLM's kv_transfer_params become the request context's hints (tiers may read them)
+        # the request's context gets vLLM's kv_transfer_params as its hints (tiers may read
+        # them) and the session directives read from its fields
         self.changes += 1
-        tokens = self.scheduler.match(request, num_computed_tokens, request.kv_transfer_params)
+        tokens = self.scheduler.match(request, num_computed_tokens, request.kv_transfer_params, directives)
         if tokens is None:
             return None, False
         return tokens, tokens > 0 and not self._reserve_sync_load(request.request_id, tokens)
