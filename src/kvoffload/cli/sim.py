@@ -31,6 +31,15 @@ With ``--metrics-port`` (host-tier replay only) the host tier of the row being r
 served on ``/metrics`` (``kvoffload.metrics``, ``--metrics-host`` 127.0.0.1 by default),
 and after the table each row's tier counters are printed as that endpoint serves them.
 
+With ``--hints`` or a flood (``--flood-every-s``, ``--flood-size``) the trace is replayed by
+sessions (``kvoffload.sim.session_plan``, host tier only, behind ``--device-blocks``): a
+flood of one-off requests is laid over it when asked, and every (policy, capacity) is
+replayed without hints and, with ``--hints retain``, with retention hints (each turn but its
+session's last retains its full blocks for ``--retain-ttl-s``, within a budget of
+``--retention-fraction`` of the tier). The table gives the hit ratio over all of the
+trace's requests and over its resumed turns (the flood's counted in neither), and the
+blocks retained and trimmed; the CSV every field, no plot. Belady is left out there.
+
 The options are declared and checked in ``kvoffload.cli.sim_options``; this module runs
 the replays and prints and writes their results."""
 
@@ -42,12 +51,13 @@ from contextlib import contextmanager
 from tqdm import tqdm
 
 from kvoffload import metrics
-from kvoffload.cli.sim_options import add_arguments, validate
+from kvoffload.cli.sim_options import add_arguments, validate, validate_sessions
 from kvoffload.sim.disk_plan import DEFAULT_ADMISSION, plan_disk
 from kvoffload.sim.fleet import format_fleet_table, plan_fleet, write_fleet_plot
 from kvoffload.sim.object_tier import DEFAULT_OBJECT_WRITES
 from kvoffload.sim.planning import BELADY, plan
 from kvoffload.sim.report import format_disk_table, format_table, write_csv, write_disk_plot, write_plot
+from kvoffload.sim.session_plan import format_session_table, plan_sessions, write_session_csv
 from kvoffload.sim.trace import TraceFormatError
 
 
@@ -60,6 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cost, policies, capacities, disk_capacities, trace, fleet = validate(args)
+        sessions = validate_sessions(args, trace, policies)
     except (ValueError, TraceFormatError, OSError) as exc:
         raise SystemExit(f"kvoffload sim: {exc}") from None
     block_bytes = trace.block_size * cost.kv_bytes_per_token
@@ -73,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
         f"cost model: prefill {cost.prefill_tokens_per_s:,.0f} tokens/s, "
         f"link {cost.bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
     )
+    if sessions is not None:
+        _run_sessions(args, trace, cost, policies, capacities, sessions)
+        return 0
     if fleet is not None:
         _run_fleet(args, trace, cost, policies, capacities, fleet, title, link)
     elif disk_capacities:
@@ -168,6 +182,35 @@ def _run_fleet(args, trace, cost, policies, capacities, fleet: dict, title: str,
     print(f"{link}{cost.kv_bytes_per_token:,} KV bytes/token; stores overlap compute and are not charged")
     write_csv(rows, args.csv)
     write_fleet_plot(rows, args.png, title=f"{title} per replica, {args.replicas} replicas")
+
+
+def _run_sessions(args, trace, cost, policies, capacities, sessions: dict) -> None:
+    online = [name for name in policies if name.lower() != BELADY]
+    if len(online) < len(policies):
+        print("belady left out: it has no session replay")
+    modes = 2 if sessions["hints"] == "retain" else 1
+    with _progress(args, len(online) * len(capacities) * modes) as progress:
+        rows = plan_sessions(
+            trace,
+            online,
+            capacities,
+            device_blocks=args.device_blocks,
+            block_bytes=trace.block_size * cost.kv_bytes_per_token,
+            progress=progress,
+            **sessions,
+        )
+    print(format_session_table(rows))
+    flood = sessions["flood"]
+    if flood is not None:
+        print(f"flood: {flood.blocks:,} one-off blocks every {flood.every_s:g} s (counted in no ratio)")
+    if sessions["hints"] == "retain":
+        print(
+            f"hints: each turn but its session's last retains its full blocks for {sessions['ttl_s']:g} s, "
+            f"every turn releases its session's retention on arrival; retention budget "
+            f"{sessions['retention_fraction']:g} of the tier"
+        )
+    write_session_csv(rows, args.csv)
+    print(f"wrote {args.csv}")
 
 
 @contextmanager

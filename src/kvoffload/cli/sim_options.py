@@ -7,6 +7,9 @@
   fleet)``, ``fleet`` the checked fleet options (``None`` without ``--replicas``). A bad
   value raises ``ValueError`` naming the flag and the value (an empty list ``SystemExit``),
   a bad trace ``TraceFormatError`` or ``OSError``.
+* ``validate_sessions(args, trace, policies)`` checks the session options (``--hints``,
+  ``--flood-*``) against the loaded trace and fills in their defaults: ``None`` without
+  them, else the keyword arguments of ``kvoffload.sim.session_plan.plan_sessions``.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from pathlib import Path
 from kvoffload.index.tiers import TierWeights
 from kvoffload.sim.disk_plan import ADMISSION, DEFAULT_ADMISSION
 from kvoffload.sim.fleet import default_load_window
+from kvoffload.sim.flood import Flood
 from kvoffload.sim.object_tier import OBJECT_WRITES
 from kvoffload.sim.planning import BELADY, CostModel, parse_bytes, parse_capacity, validate_policies
 from kvoffload.sim.routing import DEFAULT_BALANCE_THRESHOLD, ROUTINGS, check_threshold, validate_routings
-from kvoffload.sim.trace import MOONCAKE_BLOCK_SIZE, read_trace
+from kvoffload.sim.session_plan import HINTS
+from kvoffload.sim.sessions import pause_quantile, session_turns
+from kvoffload.sim.trace import MOONCAKE_BLOCK_SIZE, Trace, read_trace
 from kvoffload.sim.workloads import WORKLOADS, builtin_workload
 
 # KV bytes per token in bf16: 2 (K and V) x layers x KV heads x head dim x 2 bytes.
@@ -196,6 +202,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-host", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)"
     )
+    p.add_argument(
+        "--hints",
+        choices=HINTS,
+        default=None,
+        help="replay sessions (kvoffload.sim.sessions) and report hit ratios over all and over resumed "
+        "turns; 'retain' adds a replay where each turn but a session's last retains its blocks",
+    )
+    p.add_argument(
+        "--retain-ttl-s",
+        type=float,
+        default=None,
+        help="with --hints retain: seconds a turn retains its blocks (default: the 90th percentile pause)",
+    )
+    p.add_argument(
+        "--retention-fraction",
+        type=float,
+        default=None,
+        help="with --hints retain: the share of the host tier sessions may retain (default 0.5)",
+    )
+    p.add_argument(
+        "--flood-every-s",
+        type=float,
+        default=None,
+        help="a burst of one-off requests this often (default with --flood-size: the median pause)",
+    )
+    p.add_argument(
+        "--flood-size",
+        default=None,
+        help="blocks per burst, in the forms of --capacities (default with --flood-every-s: 10%%)",
+    )
 
 
 def _split(text: str, flag: str) -> list[str]:
@@ -245,11 +281,10 @@ def _validate_fleet(args: argparse.Namespace, policies: list[str], disk_capaciti
 
 def validate(args: argparse.Namespace):
     """Every flag checked (errors name the flag and the value) and the trace loaded."""
-    kv_bytes = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else MODELS[args.model]
     cost = CostModel(
         args.prefill_tps,
         float(_flag_bytes(args.bandwidth, "--bandwidth")),
-        kv_bytes,
+        _kv_bytes(args),
         float(_flag_bytes(args.disk_bandwidth, "--disk-bandwidth")),
         float(_flag_bytes(args.remote_bandwidth, "--remote-bandwidth")),
         float(_flag_bytes(args.object_bandwidth, "--object-bandwidth")),
@@ -335,3 +370,52 @@ def _load(source: str, block_size: int, seed: int):
     raise ValueError(
         f"no such trace file or built-in workload: {source!r} (built-in: {', '.join(WORKLOADS)})"
     )
+
+
+def validate_sessions(args: argparse.Namespace, trace: Trace, policies: list[str]) -> dict | None:
+    """The session options checked and defaulted (module docstring)."""
+    flood_given = args.flood_every_s is not None or args.flood_size is not None
+    for flag, value in (
+        ("--retain-ttl-s", args.retain_ttl_s),
+        ("--retention-fraction", args.retention_fraction),
+    ):
+        if value is not None and args.hints != "retain":
+            raise ValueError(f"{flag} {value!r} needs --hints retain")
+    if args.hints is None and not flood_given:
+        return None
+    for flag, value in (("--replicas", args.replicas), ("--disk-capacities", args.disk_capacities),
+                        ("--metrics-port", args.metrics_port)):  # fmt: skip
+        if value is not None:
+            raise ValueError(f"{flag} {value!r}: the session replay (--hints, --flood-*) is host-tier only")
+    if all(name.lower() == BELADY for name in policies):
+        raise ValueError(f"--policies {args.policies!r}: belady has no session replay")
+    turns = session_turns(trace)
+    options: dict = {"hints": args.hints or "none", "flood": None}
+    if args.hints == "retain":
+        ttl = _positive(args.retain_ttl_s, pause_quantile(turns, 0.9), "--retain-ttl-s", trace)
+        fraction = 0.5 if args.retention_fraction is None else args.retention_fraction
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"--retention-fraction must be in [0, 1], got {fraction}")
+        options.update(ttl_s=ttl, retention_fraction=fraction)
+    if flood_given:
+        every = _positive(args.flood_every_s, pause_quantile(turns, 0.5), "--flood-every-s", trace)
+        spec = args.flood_size or "10%"
+        try:
+            blocks = parse_capacity(spec, trace.unique_blocks(), trace.block_size * _kv_bytes(args))
+        except ValueError as exc:
+            raise ValueError(f"--flood-size: {exc}") from None
+        options["flood"] = Flood(every_s=every, blocks=blocks)
+    return options
+
+
+def _positive(given: float | None, default: float | None, flag: str, trace: Trace) -> float:
+    if given is None and default is None:
+        raise ValueError(f"{trace.name} has no resumed turns: give {flag}")
+    value = default if given is None else given
+    if not value > 0:
+        raise ValueError(f"{flag} must be positive seconds, got {value}")
+    return value
+
+
+def _kv_bytes(args: argparse.Namespace) -> int:
+    return args.kv_bytes_per_token if args.kv_bytes_per_token is not None else MODELS[args.model]

@@ -103,7 +103,7 @@ class AgentWorkload:
     Each session belongs to one of ``agent_types`` agents whose long shared context (tool
     definitions, instructions, a code base) opens every request of the session; a session
     then grows by a task prompt and, step after step, a tool result and a model reply, with
-    a short gap between steps.
+    a short gap between steps (a tool call). Its requests carry their session's id.
     """
 
     sessions: int = 200
@@ -196,9 +196,8 @@ def agentic_sessions(params: AgentWorkload = AgentWorkload()) -> Trace:
             segments = [(shared, params.shared_context_tokens), (("session", session), private)]
             output = _positive(rng, params.mean_output_tokens)
             length = params.shared_context_tokens + private
-            requests.append(
-                TraceRequest(int(t * 1000), length, output, _segment_ids(ids, segments, params.block_size))
-            )
+            hash_ids = _segment_ids(ids, segments, params.block_size)
+            requests.append(TraceRequest(int(t * 1000), length, output, hash_ids, f"agentic-{session}"))
             private += output + _positive(rng, params.mean_tool_output_tokens)
             t += rng.expovariate(1.0 / params.mean_step_gap_s)
     requests.sort(key=lambda r: r.timestamp)
