@@ -45,9 +45,23 @@ Process hygiene, and three SGLang behaviours a test process must not inherit:
 - When one of its processes fails (a storage backend that does not load, a scheduler
   that raises), SGLang's SIGQUIT handlers kill the whole process tree *including the
   calling process* (SIGKILL): a pytest run would vanish with exit code 137 and no report.
-  The harness passes ``custom_sigquit_handler`` (used while the engine starts) and, once
-  started, replaces the tokenizer manager's SIGQUIT handler on the event loop: both raise
-  ``EngineChildFailed`` in the test instead, which fails it.
+  The harness passes ``custom_sigquit_handler`` (used while the engine starts); the
+  tokenizer manager installs its own SIGQUIT handler on the event loop with its request
+  loop, lazily, at the first request, so the harness creates that loop at once and then
+  replaces the handler: both raise ``EngineChildFailed`` in the test instead, which fails
+  it. Every SGLang path that would still kill the test process itself
+  (``kill_process_tree`` of the caller with ``include_parent``, e.g. when the tokenizer
+  manager's request loop raises) raises ``EngineChildFailed`` there instead.
+- All engines of a test process share its one event loop, and an engine's tokenizer
+  manager leaves its tasks (the request loop, a watchdog) on it after ``shutdown()``. Once
+  its ZMQ sockets are closed, the next engine's first request ran that loop again, the old
+  request loop raised on its closed socket, and SGLang's handler for that SIGKILLed the
+  whole test process (a loaded run died so, at random, between two engine tests). An
+  engine's shutdown cancels its tasks and lets them finish before its sockets close.
+- SGLang's watchdog of an engine's processes (a thread) reads any of them dying as a crash
+  and signals the calling process; its own stop waits 2 s for the thread, which a loaded
+  machine can exceed, and the processes are then killed under it: the harness waits
+  until that thread has ended before anything is killed.
 - A ZMQ socket SGLang leaves open with unsent messages (after a failed start, or to
   processes already killed) blocks its context's ``term()`` forever when the context is
   collected; pytest collects garbage at exit, so the run would hang there. The contexts an
@@ -59,12 +73,14 @@ so that engines kept alive by fixtures do not take the CPU from the running one.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
 import random
 import signal
 import string
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -103,6 +119,52 @@ def _child_failed(signum: int = 0, frame: Any = None) -> None:
         "an SGLang engine process failed (SIGQUIT from a child); its log is above (log level: "
         "KVOFFLOAD_SGLANG_LOG_LEVEL)"
     )
+
+
+def _guard_the_test_process() -> None:
+    """Makes SGLang's ``kill_process_tree`` raise ``EngineChildFailed`` instead of killing
+    the test process and all its children; idempotent."""
+    import sglang.srt.entrypoints.engine  # noqa: F401  (the modules that call it, imported first)
+    import sglang.srt.managers.tokenizer_manager  # noqa: F401
+    import sglang.srt.utils.common as common
+
+    original = getattr(common.kill_process_tree, "_kvoffload_original", common.kill_process_tree)
+
+    def guarded(parent_pid: Any, include_parent: bool = True, *args: Any, **kwargs: Any) -> None:
+        if include_parent and parent_pid in (None, os.getpid()):
+            _child_failed()  # the engine's processes are stopped by its shutdown, by PID
+        return original(parent_pid, include_parent, *args, **kwargs)
+
+    guarded._kvoffload_original = original  # type: ignore[attr-defined]
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "") or ""
+        if name.startswith("sglang") and getattr(module, "kill_process_tree", None) is original:
+            module.kill_process_tree = guarded
+
+
+def _stop_watchdog(tokenizer_manager: Any) -> None:
+    """Stops SGLang's watchdog of the engine's processes and waits until its thread ended:
+    its own stop waits 2 s, and a thread still running when the processes are killed reads
+    their deaths as a crash and signals the test process (``EngineChildFailed``)."""
+    watchdog = getattr(tokenizer_manager, "_subprocess_watchdog", None)
+    if watchdog is None:
+        return
+    thread = getattr(watchdog, "_thread", None)
+    watchdog.stop()
+    if thread is not None:
+        thread.join(timeout=60)
+
+
+def _finish_tasks(tokenizer_manager: Any) -> None:
+    """Cancels the tokenizer manager's tasks on the test process's event loop and lets them
+    end, so that none runs again on a closed socket when the next engine uses the loop."""
+    tasks = [t for t in getattr(tokenizer_manager, "asyncio_tasks", ()) if not t.done()]
+    loop = getattr(tokenizer_manager, "event_loop", None)
+    if not tasks or loop is None or loop.is_closed() or loop.is_running():
+        return
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
 
 def _zmq_contexts() -> dict[int, Any]:
@@ -255,6 +317,8 @@ class RunningEngine:
 
         engine_module.kill_process_tree = kill_this_engine
         try:
+            _stop_watchdog(self.engine.tokenizer_manager)
+            _finish_tasks(self.engine.tokenizer_manager)
             self.engine.shutdown()
         finally:
             engine_module.kill_process_tree = original
@@ -292,6 +356,7 @@ def start_engine(
     engine_standins.install()
     import sglang
 
+    _guard_the_test_process()
     args: dict[str, Any] = {
         "model_path": model_path,
         "device": "cpu",
@@ -330,10 +395,16 @@ def start_engine(
         raise
     seconds = time.monotonic() - started
     children = [p for p in me.children(recursive=True) if p.pid not in before]
-    # the tokenizer manager's running-phase SIGQUIT handler (on the event loop) kills the
-    # test process: replace it (see the module docstring)
-    with suppress(Exception):
-        engine.loop.remove_signal_handler(signal.SIGQUIT)
+    # the tokenizer manager's running-phase SIGQUIT handler (on the event loop, installed
+    # with its request loop) kills the test process: create that loop now, then replace the
+    # handler (see the module docstring)
+    tokenizer_manager = engine.tokenizer_manager
+
+    async def create_handle_loop() -> None:  # on the engine's loop, which runs its requests
+        tokenizer_manager.auto_create_handle_loop()
+
+    engine.loop.run_until_complete(create_handle_loop())
+    engine.loop.remove_signal_handler(signal.SIGQUIT)
     signal.signal(signal.SIGQUIT, _child_failed)
     contexts = [c for key, c in _zmq_contexts().items() if key not in contexts_before]
     return RunningEngine(engine=engine, children=children, start_seconds=seconds, _env=env, _zmq=contexts)

@@ -13,6 +13,8 @@ stopped, its processes checked by PID, before the next starts).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -78,6 +80,23 @@ class TestSGLangFileBackend:
         engine, directory = file_engine
         files = lambda: len(list(directory.glob("*.bin")))  # noqa: E731
         _flushed_prompt_from_storage(engine, prompt_of(PROMPT_TOKENS, 1), lambda: files() >= PAGES)
+
+    def test_a_failure_signal_after_requests_fails_the_test_not_the_process(self, file_engine) -> None:
+        """After an engine served requests, a SIGQUIT from one of its processes, and SGLang
+        killing its caller's process tree, raise ``EngineChildFailed`` here. (SGLang installs
+        its own SIGQUIT handler, which SIGKILLs the test process, with its request loop at
+        the first request; and its handler for a failing request loop kills its caller.)"""
+        import sglang.srt.managers.tokenizer_manager as tokenizer_manager
+
+        engine, _ = file_engine
+        engine.generate(prompt_of(64, 2))
+        with pytest.raises(EngineChildFailed):
+            os.kill(os.getpid(), signal.SIGQUIT)
+            time.sleep(5)  # the handler raises at once; this is never reached
+        with pytest.raises(EngineChildFailed):
+            tokenizer_manager.kill_process_tree(os.getpid(), include_parent=True)
+        assert engine.alive_children(), "the engine's processes were killed"
+        assert engine.generate(prompt_of(64, 2)).prompt_tokens == 64
 
 
 @pytest.fixture(scope="class")
