@@ -61,6 +61,10 @@ outages, probes, ...)
 scheduler: tokens loaded, loads planned,      ``kvoffload_scheduler_<field>``
 failed loads and their (recomputed) tokens,   (``SchedulerStats`` fields)
 blocks loaded/stored, failed stores, ...
+session controls: retains, blocks retained,   ``kvoffload_session_<field>``
+trimmed, absent, releases, prefetches, ...    (``SessionStats`` fields)
+requests' session directives read, by         ``kvoffload_session_directives{outcome}``
+outcome (applied, unknown, invalid)
 publisher: published, sent, dropped,          ``kvoffload_events_<...>``
 replayed, buffered, ...
 subscriber: delivered, gap batches repaired   ``kvoffload_subscriber_<...>``

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvoffload.scheduler.sessions import SessionStats
 from kvoffload.scheduler.state import SchedulerStats
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
@@ -146,6 +147,33 @@ _DEFS += [
     )
     for name in SCHEDULER_FIELDS
 ]
+
+# The session controls' counters (``SessionRegistry.stats()``), one metric each.
+_SESSION_HELP = {
+    "retains": "Session retentions asked (by a request's directives or a control)",
+    "retained": "Blocks retained by session retentions, summed over tiers",
+    "trimmed": "Blocks of session retentions trimmed over a tier's retention budget (retention_fraction)",
+    "absent": "Blocks of session retentions a tier did not hold (or a tenant did not produce)",
+    "releases": "Session releases asked",
+    "released": "Blocks released by session releases, summed over tiers",
+    "prefetches": "Session prefetches asked",
+    "prefetched": "Blocks queued for promotion into the CPU tier by session prefetches",
+    "expired": "Retentions of a block in a tier that reached their deadline",
+    "tenant_refusals": "Keys a session control named that its tenant did not produce (refused)",
+    "sessions_forgotten": "Sessions whose last keys were forgotten (past max_sessions)",
+}
+SESSION_FIELDS = [f.name for f in fields(SessionStats)]
+_DEFS += [
+    Metric(f"session_{name}", COUNTER, _SESSION_HELP.get(name, f"Session counter {name}"))
+    for name in SESSION_FIELDS
+]
+# Requests' directives read (``kvoffload.directives.DirectiveCounts``), by outcome.
+DIRECTIVE_OUTCOMES = ("applied", "unknown", "invalid")
+_DEFS.append(
+    Metric("session_directives", COUNTER, "Session directives read from requests (kvoffload's kv_hints "
+           "actions and kv_transfer_params sets) by outcome: applied, unknown (ignored), invalid (warned, "
+           "no effect)", (OUTCOME,))
+)  # fmt: skip
 
 METRICS: dict[str, Metric] = {metric.key: metric for metric in _DEFS}
 

@@ -6,6 +6,8 @@ Readers fill one from a component at the moment they are called; they only read
 counters the components keep anyway, so nothing on the hot path pays for metrics:
 
 * ``read_scheduler``: an ``OffloadingScheduler``'s counters and hit tokens per tier;
+* ``read_sessions``: a scheduler's session controls (``SessionRegistry.stats()``) and,
+  given one, a ``DirectiveReader``'s counts of requests' directives by outcome;
 * ``read_manager``: every tier of a manager (a tier, or a tiered manager): lookups, hits,
   evictions, blocks by state, capacity, host usage fractions, each tier's own
   ``counters()``;
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.metrics.names import (
+    DIRECTIVE_OUTCOMES,
     METRICS,
     PRIMARY_TIER,
     PUBLISHER_FIELDS,
@@ -159,6 +162,20 @@ def read_scheduler(samples: Samples, scheduler: Any, labels: Mapping[str, str]) 
         samples.add("hit_tokens", tokens, (labels.get(medium, UNKNOWN_TIER),))
 
 
+def read_sessions(samples: Samples, sessions: Any, directives: Any = None) -> None:
+    """``sessions``: a ``SessionRegistry`` (or None); ``directives``: a ``DirectiveReader``
+    (or None)."""
+    if sessions is not None:
+        for name, value in sessions.stats().as_dict().items():
+            key = f"session_{name}"
+            if key in METRICS:
+                samples.add(key, value)
+    if directives is not None:
+        counts = directives.counts
+        for outcome in DIRECTIVE_OUTCOMES:
+            samples.add("session_directives", getattr(counts, outcome), (outcome,))
+
+
 def read_manager(samples: Samples, manager: Any, labels: Mapping[str, str]) -> None:
     for tier in manager_tiers(manager):
         label = (labels.get(tier.medium, tier.medium.lower()),)
@@ -286,19 +303,27 @@ class TransferMeter:
 
 
 class SchedulerSource:
-    """An ``OffloadingScheduler`` and its manager's tiers; ``labels``: medium -> tier."""
+    """An ``OffloadingScheduler``, its session controls and its manager's tiers;
+    ``labels``: medium -> tier."""
 
     def __init__(
-        self, scheduler: Any, labels: Mapping[str, str], config_info: Sequence[str] | None = None
+        self,
+        scheduler: Any,
+        labels: Mapping[str, str],
+        config_info: Sequence[str] | None = None,
+        directives: Any = None,
     ) -> None:
         """``config_info``: the values of ``CONFIG_INFO_LABELS`` (the host tier's static
-        configuration), reported as one ``config_info`` series; none without it."""
+        configuration), reported as one ``config_info`` series; none without it.
+        ``directives``: the ``DirectiveReader`` of the engine's requests, if any."""
         self.scheduler = scheduler
         self.labels = dict(labels)
         self.config_info = tuple(config_info) if config_info is not None else None
+        self.directives = directives
 
     def read_metrics(self, samples: Samples) -> None:
         read_scheduler(samples, self.scheduler, self.labels)
+        read_sessions(samples, getattr(self.scheduler, "sessions", None), self.directives)
         read_manager(samples, self.scheduler.manager, self.labels)
         if self.config_info is not None:
             samples.add("config_info", 1, self.config_info)

@@ -24,6 +24,12 @@ object is one buffer); without such a tier its layout is the default one. The pr
 not counted in ``cpu_bytes_to_use`` (at most 4 KiB per block, 128 bytes unless a disk tier
 reads with ``O_DIRECT``).
 
+Session controls (``kvoffload.scheduler.sessions``): every tier retains sessions' blocks
+within ``retention_fraction`` of its capacity (the CPU tier, the disk tier, the shared
+stores: every built tier with a ``retention`` index); the tiered manager issues a
+session's prefetch ``prefetch_batch`` keys at a time, at most ``prefetch_in_flight``
+transfers in flight (``kvoffload.tiers.tiered_sessions``).
+
 ``identity`` describes what the block bytes mean (model, dtype, layout, block size, group
 specs, hash seed); secondary tiers derive their namespace from it
 (``kvoffload.tiers.secondary.TierContext``).
@@ -41,7 +47,8 @@ from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.extras import require
 from kvoffload.manager import OffloadingManager
 from kvoffload.policies import resolve_policy
-from kvoffload.settings import Key, custom
+from kvoffload.retention import retention_budget
+from kvoffload.settings import POSITIVE_INT, Key, Kind, custom
 from kvoffload.tiers.secondary import SecondaryTierType, TierContext
 from kvoffload.tiers.tiered import TieredOffloadingManager
 from kvoffload.validation import positive_int
@@ -49,6 +56,10 @@ from kvoffload.worker import OffloadingWorker, WorkerRouter
 
 if TYPE_CHECKING:
     from kvoffload.transfer.layout import KVLayout
+
+DEFAULT_RETENTION_FRACTION = 0.25
+DEFAULT_PREFETCH_IN_FLIGHT = 2
+DEFAULT_PREFETCH_BATCH = 64
 
 
 def _policy(where: str, value: Any) -> Any:
@@ -69,21 +80,57 @@ EVICTION_POLICY = Key(
 )
 
 
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+
+
+# The session-control keys of the tiers, as every engine adapter's configuration takes them.
+RETENTION_FRACTION = Key(
+    "retention_fraction",
+    Kind("number in [0, 1]", "be a number in [0, 1]", _is_fraction, float),
+    DEFAULT_RETENTION_FRACTION,
+    "the share of each tier's blocks (CPU, disk, shared stores) that sessions' retention may hold "
+    '(README\'s "Sessions and controls"); past it a retention is trimmed from its tail; `0` retains nothing',
+)
+PREFETCH_IN_FLIGHT = Key(
+    "prefetch_in_flight",
+    POSITIVE_INT,
+    DEFAULT_PREFETCH_IN_FLIGHT,
+    "session prefetches (promotions from the tiers below CPU into CPU) in flight at most: a request's own "
+    "promotion waits behind at most this many",
+)
+PREFETCH_BATCH = Key(
+    "prefetch_batch",
+    POSITIVE_INT,
+    DEFAULT_PREFETCH_BATCH,
+    "offloaded blocks one session prefetch transfer promotes at most (prefetches are issued only in steps "
+    "where no request's promotion waits)",
+)
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """``cpu_bytes_to_use`` host bytes for the CPU tier; an offloaded block spans
     ``blocks_per_offload_block`` device blocks; ``eviction_policy`` names a policy (of
     every tier); ``secondary_tiers`` below the CPU tier, fastest first
-    (``kvoffload.tiers.secondary.parse_secondary_tiers``)."""
+    (``kvoffload.tiers.secondary.parse_secondary_tiers``); ``retention_fraction``: the
+    share of every tier sessions may retain; ``prefetch_in_flight``, ``prefetch_batch``:
+    the bounds of session prefetches (with secondary tiers)."""
 
     cpu_bytes_to_use: int
     blocks_per_offload_block: int = 1
     eviction_policy: str = "lru"
     secondary_tiers: tuple[SecondaryTierType, ...] = ()
+    retention_fraction: float = DEFAULT_RETENTION_FRACTION
+    prefetch_in_flight: int = DEFAULT_PREFETCH_IN_FLIGHT
+    prefetch_batch: int = DEFAULT_PREFETCH_BATCH
 
     def __post_init__(self) -> None:
         positive_int("cpu_bytes_to_use", self.cpu_bytes_to_use)
         positive_int("blocks_per_offload_block", self.blocks_per_offload_block)
+        retention_budget(0, self.retention_fraction)  # ValueError naming retention_fraction
+        positive_int("prefetch_in_flight", self.prefetch_in_flight)
+        positive_int("prefetch_batch", self.prefetch_batch)
         try:
             resolve_policy(self.eviction_policy)
         except (TypeError, ValueError) as exc:
@@ -110,12 +157,31 @@ def build_manager(
 ) -> OffloadingManager:
     """The scheduler-side manager of the configured tiers, for ``world_size`` workers."""
     num_blocks = config.num_host_blocks(block_bytes, world_size)
-    cpu = CPUOffloadingManager(num_blocks, config.eviction_policy, enable_events)
+    fraction = config.retention_fraction
+    cpu = CPUOffloadingManager(num_blocks, config.eviction_policy, enable_events, retention_fraction=fraction)
     if not config.secondary_tiers:
         return cpu
     context = TierContext(block_bytes, dict(identity or {}), 0, world_size)
     secondaries = [tier.build_manager(context, config.eviction_policy) for tier in config.secondary_tiers]
-    return TieredOffloadingManager(cpu, secondaries)
+    for tier in secondaries:
+        _set_retention_fraction(tier, fraction)
+    return TieredOffloadingManager(
+        cpu,
+        secondaries,
+        prefetch_in_flight=config.prefetch_in_flight,
+        prefetch_batch=config.prefetch_batch,
+    )
+
+
+def _set_retention_fraction(tier: OffloadingManager, fraction: float) -> None:
+    """A secondary tier's retention budget, ``fraction`` of its capacity: a tier type builds
+    its manager with the default fraction (its ``build_manager`` takes no such argument),
+    and a new manager retains nothing yet, so its budget is set here. A tier with no
+    ``retention`` index (an out-of-tree one) retains with its own rules."""
+    retention = getattr(tier, "retention", None)
+    if retention is None:
+        return
+    retention.budget = retention_budget(tier.stats().capacity, fraction)
 
 
 def host_row_prefix(config: TierConfig, block_bytes: int) -> int:

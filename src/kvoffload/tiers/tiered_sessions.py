@@ -14,6 +14,9 @@
   transfers ahead of it at the worker, however many prefetches are queued. A prefetch
   that finds no room in the primary is dropped, never declined for requests.
   A promoted key counts as promoted (``load_source``) like a request's.
+  ``prefetch_pending()`` says whether prefetches are queued or in flight: an engine that
+  steps only for requests must keep stepping until it is false, or an idle engine's
+  prefetch waits for the next request (and is then overtaken by its own promotion).
 * Tier choice (``kvoffload.sessions.TierChoice``) of one request: ``lookup_within(key,
   load_from)`` is ``lookup`` asking for promotions only from the tiers in ``load_from``;
   ``limit_write_through(keys, media)`` just before ``complete_store(keys)`` writes those
@@ -79,6 +82,10 @@ class TieredSessions:
         while len(queue) > PREFETCH_QUEUE:
             del queue[next(iter(queue))]
         return queued
+
+    def prefetch_pending(self) -> bool:
+        """Whether prefetches are queued or in flight (steps must run for them to finish)."""
+        return bool(self._prefetch_queue or self._prefetching)
 
     def _held_below(self, key: OffloadKey) -> int | None:
         """The first secondary holding ``key`` loadable, without counting a lookup where

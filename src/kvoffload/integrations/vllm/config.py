@@ -36,7 +36,13 @@ from kvoffload.settings import (
     seconds,
     text,
 )
-from kvoffload.tiers.factory import EVICTION_POLICY, TierConfig
+from kvoffload.tiers.factory import (
+    EVICTION_POLICY,
+    PREFETCH_BATCH,
+    PREFETCH_IN_FLIGHT,
+    RETENTION_FRACTION,
+    TierConfig,
+)
 from kvoffload.tiers.secondary import parse_secondary_tiers
 
 DEFAULT_SWITCH_INTERVAL_S = 0.0002
@@ -138,6 +144,9 @@ EXTRA_CONFIG = Schema((
         shown_default="none"),
     Key("control_timeout_s", seconds(0.01, 600), DEFAULT_CONTROL_TIMEOUT_S,
         "how long a control request waits for the engine's scheduler to take it before it is answered 503"),
+    RETENTION_FRACTION,
+    PREFETCH_IN_FLIGHT,
+    PREFETCH_BATCH,
 ), where="kv_connector_extra_config[{key!r}]",
    unknown="unknown kv_connector_extra_config key(s) {unknown}; known: {known}")  # fmt: skip
 KNOWN_KEYS = EXTRA_CONFIG.names
@@ -210,6 +219,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
         block_size // engine_block_size,
         values["eviction_policy"],
         values["secondary_tiers"],
+        values["retention_fraction"],
+        values["prefetch_in_flight"],
+        values["prefetch_batch"],
     )
     return OffloadConfig(
         tiers,

@@ -113,7 +113,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._sessions = SessionSide(vllm_config, self._scheduler, config, self._lock)
             names = [tier.type_name for tier in config.tiers.secondary_tiers]
             self._scheduler_metrics = SchedulerMetrics(
-                self._scheduler.scheduler, names, self._scheduler.config_info
+                self._scheduler.scheduler, names, self._scheduler.config_info, self._sessions.reader
             )
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, config)
@@ -215,6 +215,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def _finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         delay_free = self._scheduler_side().request_finished(request)
         return delay_free, self._sessions.finished(request.request_id)
+
+    def has_pending_push_work(self) -> bool:
+        """True while session prefetches are queued or in flight: vLLM then steps an engine
+        with no request, so they are issued and finish before the next turn arrives."""
+        return self._sessions is not None and self._sessions.pending_work()
 
     @_serial
     def take_events(self) -> Iterable[KVCacheEvent]:

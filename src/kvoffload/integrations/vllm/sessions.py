@@ -8,6 +8,12 @@
   that port plus the engine's local data-parallel rank): its commands run on the
   scheduler's ``sessions`` registry through a ``ControlQueue``, drained at the start of
   each step (``drain``) or, while the engine idles, under the connector's ``serial`` lock.
+* ``pending_work()``: whether session prefetches are queued or in flight; the connector
+  reports it as vLLM's ``has_pending_push_work``, so an engine with no request keeps
+  stepping until they are done (vLLM steps only while it has requests or a connector's
+  pending work: a prefetch at a pause's end would otherwise wait for the next request).
+  An engine core blocked on its input queue (a server with no request at all) is woken
+  only by its next request.
 * ``prefix_keys``: a token prefix's keys exactly as this engine computes them (vLLM's own
   block hasher, its hash function and seed), for ``POST /prefetch``; a model with several
   offloaded KV-cache groups is refused by name.
@@ -44,6 +50,7 @@ class SessionSide:
         self.reader = DirectiveReader(frozenset(side.media))
         self._readings: dict[str, Reading] = {}
         self.queue = ControlQueue(serial)
+        self._manager = side.scheduler.manager
         self._offloaded = side.offloaded
         self._hash_block_size = side.hash_block_size
         self._block_tokens = side.block_tokens
@@ -81,6 +88,10 @@ class SessionSide:
         """What goes back to the client: the directives the request's fields gave."""
         reading = self._readings.pop(req_id, _NOTHING)
         return None if reading is _NOTHING else {PARAMS_KEY: reading.report()}
+
+    def pending_work(self) -> bool:
+        pending = getattr(self._manager, "prefetch_pending", None)
+        return pending is not None and pending()
 
     def drain(self) -> None:
         if len(self.queue):

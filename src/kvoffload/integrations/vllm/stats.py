@@ -134,12 +134,15 @@ class _Delta:
 
 
 class SchedulerMetrics:
-    """The scheduler side's metrics: its scheduler and every tier of its manager."""
+    """The scheduler side's metrics: its scheduler, its session controls (and the
+    ``directives`` reader of its requests' session fields), every tier of its manager."""
 
-    def __init__(self, scheduler: Any, secondary_names: list[str], config_info: Any = None) -> None:
+    def __init__(
+        self, scheduler: Any, secondary_names: list[str], config_info: Any = None, directives: Any = None
+    ) -> None:
         media = [tier.medium for tier in manager_tiers(scheduler.manager)[1:]]
         self.labels = tier_labels(media, secondary_names)
-        self.source = SchedulerSource(scheduler, self.labels, config_info)
+        self.source = SchedulerSource(scheduler, self.labels, config_info, directives)
         self._delta = _Delta()
         self._seen: int | None = None
         self._read_at = 0.0
