@@ -14,18 +14,11 @@ from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.manager import LookupResult
 from kvoffload.retention import RetentionIndex
 from kvoffload.sessions import RetainedBlock, RetainOutcome, SessionId
+from manual_clock import ManualClock
 
 A = SessionId("tenant-a", "chat")
 B = SessionId("tenant-b", "chat")  # same name, other tenant
 A2 = SessionId("tenant-a", "other")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def k(i: int) -> bytes:
@@ -44,7 +37,7 @@ def store(m: CPUOffloadingManager, *ids: int):
 
 
 def manager(n: int = 8, fraction: float = 0.5, policy: str = "lru"):
-    clock = Clock()
+    clock = ManualClock(1000.0)
     return CPUOffloadingManager(n, policy, retention_fraction=fraction, clock=clock), clock
 
 
@@ -185,7 +178,7 @@ def test_bad_deadline_is_named():
 
 
 def test_retention_index_protect_is_cheap_when_empty():
-    index = RetentionIndex(4, Clock())
+    index = RetentionIndex(4, ManualClock(1000.0))
     named = set(keys(1))
     assert index.protect(named) is named
     index.retain(A, keys(2), 2000.0, lambda key: True)
@@ -209,7 +202,7 @@ class RetentionMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(["lru", "arc", "s3fifo", "wtinylfu", "turnlru"]))
     def start(self, policy):
-        self.clock = Clock()
+        self.clock = ManualClock(1000.0)
         self.m = CPUOffloadingManager(N_BLOCKS, policy, retention_fraction=FRACTION, clock=self.clock)
         self.model: dict[SessionId, dict[bytes, float]] = {}
         self.pinned: list[bytes] = []
@@ -306,7 +299,7 @@ test_retention_state_machine = RetentionMachine.TestCase
 def test_deadlines_stay_right_over_many_retains_of_the_same_keys():
     """A session retaining its growing prefix every turn: each key's latest deadline holds,
     however many retains came before (stale deadlines are compacted away)."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     index = RetentionIndex(64, clock)
     for turn in range(600):
         last = clock.now + 50

@@ -20,19 +20,12 @@ from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
 from kvoffload.scheduler.sessions import SessionRegistry
 from kvoffload.sessions import SessionId
 from kvoffload.tiers.tiered import TieredOffloadingManager
+from manual_clock import ManualClock
 from scheduler_requests import Req
 from shelf_tier import Shelf
 
 A = SessionId("tenant-a", "chat")
 B = SessionId("tenant-b", "chat")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def scrape(port: int) -> dict:
@@ -84,7 +77,7 @@ def test_every_session_counter_has_a_metric():
 
 
 def test_session_counts_and_directive_outcomes_are_scraped_after_real_calls(server):
-    clock = Clock()
+    clock = ManualClock(100.0)
     primary = CPUOffloadingManager(4, "lru", retention_fraction=0.5, clock=clock)  # budget 2
     shelf = Shelf(32, "lru", retention_fraction=0.5, clock=clock)
     tiered = TieredOffloadingManager(primary, [shelf])

@@ -15,18 +15,11 @@ import pytest
 from kvoffload.cpu import CPUOffloadingManager
 from kvoffload.policies import available_policies
 from kvoffload.sessions import RetainOutcome, SessionId
+from manual_clock import ManualClock
 
 POLICIES = available_policies()
 S1 = SessionId("t", "one")
 S2 = SessionId("t", "two")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def k(i: int) -> bytes:
@@ -51,7 +44,7 @@ def fill(m: CPUOffloadingManager, ids) -> list[bytes]:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_retained_blocks_survive_pressure(policy):
-    clock = Clock()
+    clock = ManualClock(50.0)
     m = CPUOffloadingManager(16, policy, retention_fraction=0.25, clock=clock)
     fill(m, range(16))
     assert m.retain(S1, keys(range(4)), clock.now + 60).retained == 4
@@ -65,7 +58,7 @@ def test_retention_evicts_like_pinning_before_and_after_it_ends(policy):
     """Retained blocks are passed over as pinned ones are; when retention ends (expiry in
     one twin, unpinning in the other) both evict the same blocks in the same order."""
     rng = random.Random(7)
-    clock = Clock()
+    clock = ManualClock(50.0)
     retained = CPUOffloadingManager(32, policy, retention_fraction=0.25, clock=clock)
     pinned = CPUOffloadingManager(32, policy)
     history = [rng.randrange(64) for _ in range(200)]
@@ -98,7 +91,7 @@ def test_retention_evicts_like_pinning_before_and_after_it_ends(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_budget_is_trimmed_tail_first_and_counted(policy):
-    clock = Clock()
+    clock = ManualClock(50.0)
     m = CPUOffloadingManager(16, policy, retention_fraction=0.25, clock=clock)  # 4 blocks
     fill(m, range(8))
     prefix = keys(range(8))
@@ -111,7 +104,7 @@ def test_budget_is_trimmed_tail_first_and_counted(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_several_sessions_share_blocks_until_the_last_ends(policy):
-    clock = Clock()
+    clock = ManualClock(50.0)
     m = CPUOffloadingManager(16, policy, retention_fraction=0.5, clock=clock)
     fill(m, range(16))
     shared, own = keys(range(2)), keys(range(2, 4))
@@ -126,7 +119,7 @@ def test_several_sessions_share_blocks_until_the_last_ends(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_release_ends_retention_at_once(policy):
-    clock = Clock()
+    clock = ManualClock(50.0)
     m = CPUOffloadingManager(8, policy, retention_fraction=0.5, clock=clock)
     fill(m, range(8))
     m.retain(S1, keys(range(4)), clock.now + 1000)

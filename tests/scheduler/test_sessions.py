@@ -13,6 +13,7 @@ from kvoffload.scheduler import KVGroup, OffloadingScheduler, StepRequest
 from kvoffload.scheduler.sessions import SessionRegistry
 from kvoffload.sessions import RetainOutcome, SessionDirectives, SessionId, TierChoice
 from kvoffload.tiers.tiered import TieredOffloadingManager
+from manual_clock import ManualClock
 from scheduler_requests import Req
 from shelf_tier import Shelf
 
@@ -20,16 +21,8 @@ A = SessionId("tenant-a", "chat")
 B = SessionId("tenant-b", "chat")  # the same name in another tenant
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def cpu_scheduler(blocks=8, fraction=0.5):
-    clock = Clock()
+    clock = ManualClock(100.0)
     cpu = CPUOffloadingManager(blocks, "lru", retention_fraction=fraction, clock=clock)
     sched = OffloadingScheduler(cpu, [KVGroup(4)], hash_block_size=4)
     sched.sessions = SessionRegistry(cpu, clock=clock)
@@ -37,7 +30,7 @@ def cpu_scheduler(blocks=8, fraction=0.5):
 
 
 def tiered_scheduler(cpu_blocks=4, shelf_blocks=32):
-    clock = Clock()
+    clock = ManualClock(100.0)
     primary = CPUOffloadingManager(cpu_blocks, "lru", retention_fraction=0.5, clock=clock)
     shelf = Shelf(shelf_blocks, "lru", retention_fraction=0.5, clock=clock)
     tiered = TieredOffloadingManager(primary, [shelf])

@@ -13,6 +13,7 @@ from kvoffload.keys import make_offload_key
 from kvoffload.manager import LookupResult
 from kvoffload.sessions import RetainOutcome, SessionId
 from kvoffload.tiers.tiered import TieredOffloadingManager
+from manual_clock import ManualClock
 from shelf_tier import Shelf
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
@@ -20,20 +21,12 @@ A = SessionId("tenant-a", "s")
 B = SessionId("tenant-b", "s")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 10.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def keys(*ids):
     return [make_offload_key(i.to_bytes(32, "big"), 0) for i in ids]
 
 
 def make(cpu=4, shelf=64, fraction=0.5, **kw):
-    clock = Clock()
+    clock = ManualClock(10.0)
     primary = CPUOffloadingManager(cpu, "lru", retention_fraction=fraction, clock=clock)
     secondary = Shelf(shelf, "lru", retention_fraction=fraction, clock=clock)
     return clock, primary, secondary, TieredOffloadingManager(primary, [secondary], **kw)

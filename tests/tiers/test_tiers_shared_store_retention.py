@@ -10,18 +10,11 @@ from kvoffload.sessions import SessionId
 from kvoffload.tiers.mooncake.manager import MooncakeOffloadingManager
 from kvoffload.tiers.redis.format import value_bytes
 from kvoffload.tiers.shared_store_lookups import Answer
+from manual_clock import ManualClock
 from redis_replica import Replica, k
 from redis_server import redis_server  # noqa: F401 - fixture
 
 A = SessionId("t", "chat")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class _Lookups:
@@ -59,7 +52,7 @@ def store(manager, ks):
 
 
 def test_budget_deletions_pass_over_retained_blocks_until_expiry():
-    lookups, clock = _Lookups(), Clock()
+    lookups, clock = _Lookups(), ManualClock(0.0)
     manager = MooncakeOffloadingManager(
         lookups, 4, delete_on_evict=True, clock=clock, retention_fraction=0.5, reconcile_interval=1e9
     )
@@ -78,7 +71,7 @@ def test_budget_deletions_pass_over_retained_blocks_until_expiry():
 
 
 def test_a_retained_block_the_store_dropped_leaves_the_retention():
-    lookups, clock = _Lookups(), Clock()
+    lookups, clock = _Lookups(), ManualClock(0.0)
     manager = MooncakeOffloadingManager(lookups, 4, clock=clock, retention_fraction=1, reconcile_interval=1e9)
     ks = [bytes([i]) * 8 for i in range(3)]
     store(manager, ks)

@@ -11,6 +11,7 @@ from kvoffload.policies import available_policies
 from kvoffload.sessions import RetainOutcome, SessionId
 from kvoffload.tiers.fs.format import RECORD_BYTES
 from kvoffload.tiers.fs.manager import FSOffloadingManager
+from manual_clock import ManualClock
 
 BLOCK = 4096
 STORED = BLOCK + RECORD_BYTES
@@ -18,20 +19,12 @@ A = SessionId("a", "chat")
 B = SessionId("b", "chat")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def keys(*ids: int) -> list[bytes]:
     return [make_offload_key(i.to_bytes(32, "big"), 0) for i in ids]
 
 
 def make(tmp_path, blocks=8, policy="lru", fraction=0.25):
-    clock = Clock()
+    clock = ManualClock(100.0)
     m = FSOffloadingManager(
         tmp_path, "ns", BLOCK, blocks * STORED, policy, retention_fraction=fraction, clock=clock
     )

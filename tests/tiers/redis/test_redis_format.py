@@ -23,6 +23,7 @@ from kvoffload.tiers.redis.format import (
     redis_namespace,
 )
 from kvoffload.tiers.secondary import parse_secondary_tiers
+from manual_clock import ManualClock
 
 KEY = make_offload_key(b"\x07" * 32, 1)
 NAMES = KeyNames("kvoffload", "kvr-test")
@@ -114,16 +115,8 @@ def test_bad_tier_settings_name_the_key_and_value():
     assert tier.bytes_to_use == 10**6 and tier.server.cluster is False
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_breaker_opens_backs_off_to_a_cap_and_closes_by_itself(caplog):
-    clock = Clock()
+    clock = ManualClock(0.0)
     breaker = CircuitBreaker("t", base_delay=1.0, max_delay=4.0, clock=clock)
     assert breaker.allow()
     with caplog.at_level(logging.WARNING, "kvoffload.tiers.redis"):
