@@ -10,8 +10,6 @@ hint. Outputs equal those of the engine without kvoffload. No timed assertion.""
 from __future__ import annotations
 
 import gc
-import http.client
-import json
 import urllib.request
 
 import pytest
@@ -22,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope  # noqa: E402
 
+from json_http import call  # noqa: E402
 from kvoffload.demo.offline import (  # noqa: E402
     close_llm,
     kv_block_bytes,
@@ -100,15 +99,6 @@ def flood(llm, seed: int) -> None:
     for i in range(5):
         run(llm, f"flood-{seed}-{i}", ids(word_text(seed * 100 + i, PROMPT), add_special_tokens=False))
         settle(llm)
-
-
-def call(port: int, method: str, path: str, body: dict | None = None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request(method, path, None if body is None else json.dumps(body))
-    response = conn.getresponse()
-    answer = json.loads(response.read())
-    conn.close()
-    return response.status, answer
 
 
 def where(connector, keys) -> list[str]:

@@ -6,9 +6,6 @@ Every output equals the output computed from scratch."""
 
 from __future__ import annotations
 
-import http.client
-import json
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -16,6 +13,7 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope  # noqa: E402
 
+from json_http import call  # noqa: E402
 from kvoffload.demo.offline import close_llm, kv_block_bytes, make_llm, scheduler_connector, settle, word_text  # noqa: E402
 from kvoffload.sessions import SessionId  # noqa: E402
 
@@ -106,15 +104,6 @@ def test_kv_transfer_params_retain_and_a_bad_hint(llm, caplog):
     settle(llm)
     side = scheduler_connector(llm)._scheduler.scheduler.sessions
     assert side.release(SessionId("tenant-a", "chat-p")) == 15
-
-
-def call(port: int, method: str, path: str, body: dict | None = None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request(method, path, None if body is None else json.dumps(body))
-    response = conn.getresponse()
-    answer = json.loads(response.read())
-    conn.close()
-    return response.status, answer
 
 
 def test_the_control_endpoint_on_an_idle_engine(llm):

@@ -6,7 +6,6 @@ and releases that session, and never another tenant's."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import subprocess
@@ -18,23 +17,10 @@ pytest.importorskip("vllm")
 
 from test_vllm_server import free_port, wait_ready  # noqa: E402
 
+from json_http import call  # noqa: E402
 from kvoffload.demo.offline import kv_block_bytes, kv_transfer_config, word_text  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def call(port: int, method: str, path: str, body: dict | None = None, headers: dict | None = None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request(
-        method,
-        path,
-        None if body is None else json.dumps(body),
-        {"Content-Type": "application/json", **(headers or {})},
-    )
-    response = conn.getresponse()
-    answer = json.loads(response.read())
-    conn.close()
-    return response.status, answer
 
 
 def test_a_session_through_the_openai_server_and_the_control_endpoint(tiny_llama, tmp_path):
