@@ -5,57 +5,26 @@ odd sizes) into a tier of 24 slots, so slots are overwritten all the time."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import select
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import torch
+from fs_crash_writer import NAMESPACE, PAGES, content
 
-from kvoffload.keys import make_offload_key
 from kvoffload.specs import CPULoadStoreSpec
 from kvoffload.tiers.fs.format import Geometry
 from kvoffload.tiers.fs.manager import FSOffloadingManager
 from kvoffload.tiers.fs.worker import FSWorker
 from kvoffload.transfer import HostBlockPool, KVLayout
 
-PAGES = (100_000, 150_003)
 SLOTS = 24
-NAMESPACE = "kv-crash"
-
-
-def write_forever(root, first: int, bytes_to_use: int, progress: int) -> None:
-    """The child: stores new blocks 8 at a time, reporting each finished job on ``progress``.
-    A forked child must not run a parallel torch kernel (the parent's OpenMP pool does not
-    survive ``fork``): it allocates with ``torch.empty`` and writes through numpy."""
-    layout = KVLayout([torch.empty((1, p), dtype=torch.uint8) for p in PAGES])
-    pool = HostBlockPool(layout, 8)
-    manager = FSOffloadingManager(root, NAMESPACE, sum(PAGES), bytes_to_use)
-    worker = FSWorker(pool, root, NAMESPACE, bytes_to_use, store_threads=4)
-    rows = [t.numpy() for t in pool.tensors]
-    n, job = first, 0
-    while True:
-        keys = [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(n, n + 8)]
-        for h, i in enumerate(range(n, n + 8)):
-            data = np.frombuffer(content(i), dtype=np.uint8)
-            rows[0][h] = data[: PAGES[0]]
-            rows[1][h] = data[PAGES[0] :]
-        out = manager.prepare_store(keys)
-        job += 1
-        worker.submit(job, CPULoadStoreSpec(range(len(out.keys_to_store))), out.store_spec)
-        os.write(progress, (0).to_bytes(8, "little"))  # "writing now"
-        worker.wait([job])
-        (result,) = worker.poll()
-        manager.complete_store(out.keys_to_store, result.success)
-        n += 8
-        os.write(progress, n.to_bytes(8, "little"))
-
-
-def content(n: int) -> bytes:
-    return np.random.default_rng(n).integers(0, 256, size=sum(PAGES), dtype=np.uint8).tobytes()
+WRITER = Path(__file__).with_name("fs_crash_writer.py")
 
 
 def key_number(key: bytes) -> int:
@@ -63,16 +32,11 @@ def key_number(key: bytes) -> int:
 
 
 def burst_and_kill(root, first: int, blocks: int, rng: random.Random) -> int:
-    """Fork a writer, let it store ``blocks`` blocks and a few more jobs, SIGKILL it."""
+    """Start a writer process, let it store ``blocks`` blocks and a few more jobs, SIGKILL it."""
     bytes_to_use = SLOTS * Geometry(sum(PAGES)).stored_block_bytes
     read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child never returns
-        try:
-            os.close(read_end)
-            write_forever(root, first, bytes_to_use, write_end)
-        finally:
-            os._exit(1)
+    command = [sys.executable, str(WRITER), str(root), str(first), str(bytes_to_use), str(write_end)]
+    writer = subprocess.Popen(command, pass_fds=(write_end,))
     os.close(write_end)
     try:
         written = first
@@ -87,13 +51,12 @@ def burst_and_kill(root, first: int, blocks: int, rng: random.Random) -> int:
             elif written >= first + blocks:
                 break  # a job is being written: kill somewhere in it
         time.sleep(rng.uniform(0, 0.0015))
-        os.kill(pid, signal.SIGKILL)
+        writer.send_signal(signal.SIGKILL)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
+        writer.kill()  # by its own PID; a no-op once it has been reaped
+        status = writer.wait()
         os.close(read_end)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert status == -signal.SIGKILL
     return written + 8
 
 
