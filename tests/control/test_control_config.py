@@ -34,8 +34,24 @@ def test_off_by_default_and_on_loopback_when_on():
         ("control_token", "", "''"),
         ("control_timeout_s", 0, "0"),
         ("control_timeout_s", 601, "601"),
+        ("control_tenant_tokens", ["t"], r"\['t'\]"),
     ],
 )
 def test_bad_values_are_named(key, value, named):
     with pytest.raises(ValueError, match=rf"kv_connector_extra_config\['{key}'\] must .*got {named}"):
         parse(**{key: value})
+
+
+def test_tenant_tokens():
+    config = parse(control_token="op", control_tenant_tokens={"a": "ta", "": "tn"})
+    assert config.control_tenant_tokens == {"a": "ta", "": "tn"} and parse().control_tenant_tokens is None
+    for tokens, named in [
+        ({"a": ""}, r"\['a'\] must be a non-empty string token, got ''"),
+        ({"a": 5}, r"\['a'\] must be a non-empty string token, got 5"),
+        ({1: "t"}, "a tenant must be a string .*got 1"),
+        ({"a": "op"}, "given to the operator and 'a'"),
+        ({"a": "t", "b": "t"}, "given to 'a' and 'b'"),
+    ]:
+        key = r"kv_connector_extra_config\['control_tenant_tokens'\]"
+        with pytest.raises(ValueError, match=rf"{key}.*{named}"):
+            parse(control_token="op", control_tenant_tokens=tokens)

@@ -185,6 +185,52 @@ def test_a_configured_token_is_required():
         server.close()
 
 
+def test_a_tenants_token_opens_its_own_tenant_only():
+    """Tenant B's token is refused (403) on every control naming tenant A, before anything
+    runs; A's token and the operator's open A's session."""
+    registry = make_registry()
+    lock = threading.Lock()
+    queue = ControlQueue(lock)
+    engine = Engine(queue, lock)
+    tokens = {"tenant-a": "token-a", "tenant-b": "token-b"}
+    server = ControlServer(queue, registry, port=0, token="operator", keys_of=keys_of, tenant_tokens=tokens)
+    try:
+        retain = ("POST", "/sessions/chat/retain", {"tenant": "tenant-a", "ttl_s": 60})
+        assert call(server, *retain, token="token-a")[0] == 200
+        ran = engine.ran
+        for method, path, body in [
+            ("GET", "/sessions/chat?tenant=tenant-a", None),
+            ("POST", "/sessions/chat/release", {"tenant": "tenant-a"}),
+            retain,
+            ("POST", "/sessions/chat/prefetch", {"tenant": "tenant-a"}),
+            ("POST", "/prefetch", {"tenant": "tenant-a", "token_ids": [0, 0, 0, 1]}),
+        ]:
+            status, answer = call(server, method, path, body, token="token-b")
+            assert status == 403, (method, path)
+            assert answer["error"] == "this token opens tenant 'tenant-b' only, not 'tenant-a'"
+            assert call(server, method, path, body, token="nobody's")[0] == 401
+        assert engine.ran == ran  # refused before the scheduler saw them
+        assert len(registry.inspect(A)) == 6 and registry.stats().prefetches == 0
+        # B's own tenant has no session "chat"
+        assert call(server, "GET", "/sessions/chat?tenant=tenant-b", token="token-b")[0] == 404
+        assert call(server, "GET", "/sessions/chat?tenant=tenant-a", token="operator")[1]["blocks"] == 6
+        release = {"tenant": "tenant-a"}
+        assert call(server, "POST", "/sessions/chat/release", release, token="token-a")[0] == 200
+        assert registry.inspect(A) == []
+    finally:
+        server.close()
+        engine.stop.set()
+        engine.thread.join()
+
+
+def test_one_token_for_two_scopes_is_refused():
+    registry, queue = make_registry(), ControlQueue()
+    with pytest.raises(ValueError, match="given to the operator and 'tenant-a'"):
+        ControlServer(queue, registry, port=0, token="t", tenant_tokens={"tenant-a": "t"})
+    with pytest.raises(ValueError, match="given to 'tenant-a' and 'tenant-b'"):
+        ControlServer(queue, registry, port=0, tenant_tokens={"tenant-a": "t", "tenant-b": "t"})
+
+
 def test_an_idle_engine_answers_from_the_control_thread_under_its_lock():
     """vLLM's idle loop takes no steps: the command runs on the HTTP thread, holding the lock."""
     registry = make_registry()

@@ -105,3 +105,30 @@ def test_any_control_request_is_answered_or_refused(server, method, path, query,
         pass
     else:
         assert isinstance(answer, dict)
+
+
+TENANTS = st.sampled_from(["tenant-a", "tenant-b", ""])
+
+
+@fuzz(200)
+@given(
+    method=st.sampled_from(["GET", "POST"]),
+    path=SHAPED | st.just("/prefetch"),
+    named=TENANTS,
+    scope=TENANTS,
+    body=BODY,
+)
+def test_a_tenants_token_reaches_its_own_tenant_only(server, method, path, named, scope, body):
+    """Whatever the request, one made with tenant ``scope``'s token that names another tenant is
+    refused 403, and anything it is answered names ``scope``."""
+    body = {**body, "tenant": named}
+    query = {"tenant": [named]}
+    try:
+        answer = server.handle(method, path, query, body, scope)
+    except ControlError as exc:
+        assert exc.status in (400, 403, 404)
+        assert (exc.status == 403) == (named != scope) or exc.status == 404 and "no such path" in str(exc)
+    except ValueError:  # a session id SessionId refuses, after the tenant was let through
+        assert named == scope
+    else:
+        assert named == scope and answer["tenant"] == scope

@@ -9,9 +9,14 @@ JSON in and out; every session is named with its tenant (the requests' ``cache_s
     GET  /sessions/{id}?tenant=                                 -> blocks per tier, expiries
     POST /prefetch                {"tenant": "", "token_ids": [...]}  (with a key function)
 
+Tokens: ``token`` (the operator's) opens every tenant; a token of ``tenant_tokens`` opens
+its own tenant only, so that tenants sharing an engine cannot hold, drop or inspect each
+other's sessions. With neither, no token is asked for.
+
 Answers: 200 with the result; 400 a bad request (the message names the value); 401 a
-missing or wrong bearer token (when one is configured); 404 an unknown path or session;
-503 the engine did not run the command within ``timeout_s``. Served by a stdlib
+missing or wrong bearer token (when one is configured); 403 a tenant's token naming another
+tenant; 404 an unknown path or session; 503 the engine did not run the command within
+``timeout_s``. Served by a stdlib
 ``ThreadingHTTPServer`` on a daemon thread, bound to 127.0.0.1 unless told otherwise; each
 command runs through the ``ControlQueue`` (``kvoffload.control.queue``).
 """
@@ -22,7 +27,7 @@ import hmac
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -42,12 +47,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 5.0
 MAX_BODY = 16 << 20
+EVERY_TENANT = None  # the scope of the operator's token (or of no token configured)
 
 
 class ControlServer:
     """Serves the controls of ``registry`` until ``close``. ``keys_of(tenant, token_ids)``:
     a token prefix's keys (``POST /prefetch`` is 404 without it). ``port`` 0 takes a free
-    port (``address`` says which)."""
+    port (``address`` says which). ``tenant_tokens``: tenant -> the token that opens only it."""
 
     def __init__(
         self,
@@ -58,8 +64,10 @@ class ControlServer:
         token: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         keys_of: Callable[[str, list[int]], list[OffloadKey]] | None = None,
+        tenant_tokens: Mapping[str, str] | None = None,
     ) -> None:
-        self.queue, self.registry, self.token = queue, registry, token
+        self.queue, self.registry = queue, registry
+        self._scopes = tenant_scopes(token, tenant_tokens or {})
         self.timeout_s, self.keys_of = timeout_s, keys_of
         handler = type("Handler", (_Handler,), {"control": self})
         try:
@@ -83,8 +91,20 @@ class ControlServer:
         self._http.server_close()
         self._thread.join()
 
-    def handle(self, method: str, path: str, query: dict[str, list[str]], body: dict[str, Any]) -> Any:
-        """One request's answer (a JSON value); ``ControlError`` for a refusal."""
+    def handle(
+        self,
+        method: str,
+        path: str,
+        query: dict[str, list[str]],
+        body: dict[str, Any],
+        scope: str | None = EVERY_TENANT,
+    ) -> Any:
+        """One request's answer (a JSON value); ``ControlError`` for a refusal. ``scope``: the
+        tenant the request's token opens (``EVERY_TENANT``: all of them)."""
+
+        def _tenant(value: Any) -> str:
+            return _tenant_within(value, scope)
+
         parts = [unquote(p) for p in path.strip("/").split("/")]
         if method == "POST" and parts == ["prefetch"] and self.keys_of is not None:
             tenant, tokens = _tenant(body.get("tenant")), _token_ids(body.get("token_ids"))
@@ -113,16 +133,39 @@ class ControlServer:
         except TimeoutError as exc:
             raise ControlError(503, str(exc)) from None
 
-    def authorized(self, header: str | None) -> bool:
-        if self.token is None:
-            return True
+    def scope(self, header: str | None) -> str | None:
+        """The tenant an ``Authorization`` header opens (``EVERY_TENANT``: all);
+        ``ControlError`` 401 for a missing or unknown token when tokens are configured."""
+        if not self._scopes:
+            return EVERY_TENANT
         scheme, _, given = (header or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
+        found, scope = False, EVERY_TENANT
+        for token, tenant in self._scopes:  # every token compared, in constant time each
+            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
+                found, scope = True, tenant
+        if not found:
+            raise ControlError(401, "a valid bearer token is required")
+        return scope
 
 
-def _tenant(value: Any) -> str:
+def tenant_scopes(token: str | None, tenant_tokens: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """(token, the tenant it opens or ``EVERY_TENANT``) for each configured token; a token
+    given twice is refused, since it would open two scopes."""
+    scopes: list[tuple[str, str | None]] = [] if token is None else [(token, EVERY_TENANT)]
+    scopes += [(tenant_token, tenant) for tenant, tenant_token in tenant_tokens.items()]
+    holders: dict[str, list[str]] = {}
+    for given, scope in scopes:
+        holders.setdefault(given, []).append("the operator" if scope is None else repr(scope))
+    for shared in (names for names in holders.values() if len(names) > 1):
+        raise ValueError(f"one control token is given to {' and '.join(shared)}: each token opens one scope")
+    return scopes
+
+
+def _tenant_within(value: Any, scope: str | None) -> str:
     if not isinstance(value, str):
         raise ControlError(400, f'tenant is required: the requests\' cache_salt, "" for none; got {value!r}')
+    if scope is not EVERY_TENANT and value != scope:
+        raise ControlError(403, f"this token opens tenant {scope!r} only, not {value!r}")
     return value
 
 
@@ -145,13 +188,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, method: str) -> None:
         try:
             body = self._body()  # read whatever is sent, so the connection stays usable
-            if not self.control.authorized(self.headers.get("Authorization")):
-                raise ControlError(401, "a valid bearer token is required")
+            scope = self.control.scope(self.headers.get("Authorization"))
             url = urlsplit(self.path)
-            status, answer = (
-                200,
-                self.control.handle(method, url.path, parse_qs(url.query, keep_blank_values=True), body),
-            )
+            query = parse_qs(url.query, keep_blank_values=True)
+            status, answer = 200, self.control.handle(method, url.path, query, body, scope)
         except ControlError as exc:
             status, answer = exc.status, {"error": str(exc)}
         except ValueError as exc:  # a bad session id

@@ -1,8 +1,8 @@
 """Session controls end to end on a real vLLM engine (CPU build, tiny Llama): a retain hint
 (vLLM's ``kv_hints``, or ``kv_transfer_params``) keeps a session's blocks through a flood
 of other prompts that evicts an unretained session's; the control endpoint inspects,
-releases and keeps tenants apart over real HTTP; a token prefix's keys are the engine's.
-Every output equals the output computed from scratch."""
+releases and keeps tenants apart over real HTTP (each tenant with its own token); a token
+prefix's keys are the engine's. Every output equals the output computed from scratch."""
 
 from __future__ import annotations
 
@@ -23,11 +23,17 @@ BLOCK = 32
 PROMPT = 500  # tokens: 15 full blocks are offloaded
 OFFLOADED = 15 * BLOCK
 HOST_BLOCKS = 64  # the retention budget is a quarter: 16 blocks, one session
+A, B, OPERATOR = ({"Authorization": f"Bearer {token}"} for token in ("token-a", "token-b", "operator"))
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama: str):
-    extra = {"cpu_bytes_to_use": HOST_BLOCKS * kv_block_bytes(tiny_llama, BLOCK), "control_port": 0}
+    extra = {
+        "cpu_bytes_to_use": HOST_BLOCKS * kv_block_bytes(tiny_llama, BLOCK),
+        "control_port": 0,
+        "control_token": "operator",
+        "control_tenant_tokens": {"tenant-a": "token-a", "tenant-b": "token-b"},
+    }
     engine = make_llm(tiny_llama, kvoffload=extra)
     try:
         yield engine
@@ -114,28 +120,30 @@ def test_the_control_endpoint_on_an_idle_engine(llm):
     first = run(llm, "c-1", text, salt="tenant-a", session_id="chat-c")
     settle(llm)
     # the engine is idle between calls: commands run on the endpoint's thread, under the lock
-    status, answer = call(port, "POST", "/sessions/chat-c/retain", {"tenant": "tenant-a", "ttl_s": 600})
+    assert call(port, "GET", "/sessions/chat-c?tenant=tenant-a")[0] == 401  # no token
+    status, answer = call(port, "POST", "/sessions/chat-c/retain", {"tenant": "tenant-a", "ttl_s": 600}, A)
     assert status == 200 and answer["retained"] == 15
-    status, answer = call(port, "GET", "/sessions/chat-c?tenant=tenant-a")
+    status, answer = call(port, "GET", "/sessions/chat-c?tenant=tenant-a", headers=A)
     assert status == 200 and answer["blocks"] == 15 and answer["tiers"]["CPU"]["blocks"] == 15
     assert 590 < answer["tiers"]["CPU"]["last_expiry_s"] <= 600
     # another tenant (and no tenant) never reaches it
-    assert call(port, "GET", "/sessions/chat-c?tenant=tenant-b")[0] == 404
-    assert call(port, "POST", "/sessions/chat-c/release", {"tenant": ""})[0] == 404
+    assert call(port, "GET", "/sessions/chat-c?tenant=tenant-b", headers=B)[0] == 404
+    assert call(port, "POST", "/sessions/chat-c/release", {"tenant": ""}, OPERATOR)[0] == 404
+    assert call(port, "POST", "/sessions/chat-c/release", {"tenant": "tenant-a"}, B)[0] == 403  # B's token
     # the engine's keys of the prompt are the ones the session holds
     keys = connector._sessions.prefix_keys("tenant-a", list(first.prompt_token_ids))
     held = connector._scheduler.scheduler.sessions.inspect(SessionId("tenant-a", "chat-c"))
     assert set(keys) == {block.key for block in held} and len(keys) == 15
     prefix = {"tenant": "tenant-a", "token_ids": list(first.prompt_token_ids)}
-    answer = call(port, "POST", "/prefetch", prefix)[1]
+    answer = call(port, "POST", "/prefetch", prefix, A)[1]
     assert answer == {"tenant": "tenant-a", "blocks": 15, "prefetching": 0}  # one tier: none below CPU
     flood(llm, 3)
     again = returning(llm, "c-2", text, salt="tenant-a")
     assert again.outputs[0].token_ids == first.outputs[0].token_ids and again.num_cached_tokens == OFFLOADED
     settle(llm)
-    status, answer = call(port, "POST", "/sessions/chat-c/release", {"tenant": "tenant-a"})
+    status, answer = call(port, "POST", "/sessions/chat-c/release", {"tenant": "tenant-a"}, A)
     assert status == 200 and answer["released"] == 15
-    assert call(port, "GET", "/sessions/chat-c?tenant=tenant-a")[1]["blocks"] == 0
+    assert call(port, "GET", "/sessions/chat-c?tenant=tenant-a", headers=OPERATOR)[1]["blocks"] == 0
 
 
 def test_a_one_off_prompt_is_stored_nowhere(llm):

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.control.server import tenant_scopes
 from kvoffload.faults import FaultConfig
 from kvoffload.scheduler.events import EVENT_MODES
 from kvoffload.scheduler.reuse import DEFAULT_MEMORY
@@ -66,6 +67,17 @@ def _tiers(where: str, value: Any) -> tuple:
 
 def _faults(where: str, value: Any) -> FaultConfig | None:
     return None if value is None else FaultConfig.parse(value, where)
+
+
+def _tenant_tokens(where: str, value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping of tenant (cache_salt) to token, got {value!r}")
+    for tenant, token in value.items():
+        if not isinstance(tenant, str):
+            raise ValueError(f"{where}: a tenant must be a string (a cache_salt), got {tenant!r}")
+        if not isinstance(token, str) or not token:
+            raise ValueError(f"{where}[{tenant!r}] must be a non-empty string token, got {token!r}")
+    return dict(value)
 
 
 _VLLM_KEY = "vLLM's `OffloadingConnector` key, taken as it means the same: "
@@ -140,7 +152,13 @@ EXTRA_CONFIG = Schema((
     Key("control_host", text("address", "be a non-empty address", bool), DEFAULT_CONTROL_HOST,
         "the address the control endpoint binds to; anything but loopback should set `control_token`"),
     Key("control_token", text("string", "be a non-empty string", bool), None,
-        "a bearer token every control request must carry (`Authorization: Bearer ...`)",
+        "a bearer token every control request must carry (`Authorization: Bearer ...`); it opens every "
+        "tenant's sessions",
+        shown_default="none"),
+    Key("control_tenant_tokens", custom("mapping", _tenant_tokens), None,
+        'tokens that each open one tenant\'s sessions only, `{"<cache_salt>": "<token>"}` (`""`: requests '
+        "without a salt): with one, a tenant cannot hold, drop or inspect another's sessions (403). A token "
+        "is required once any token is set; every token must differ",
         shown_default="none"),
     Key("control_timeout_s", seconds(0.01, 600), DEFAULT_CONTROL_TIMEOUT_S,
         "how long a control request waits for the engine's scheduler to take it before it is answered 503"),
@@ -180,6 +198,7 @@ class OffloadConfig:
     control_port: int | None = None  # the session control endpoint: None = off
     control_host: str = DEFAULT_CONTROL_HOST
     control_token: str | None = None
+    control_tenant_tokens: Mapping[str, str] | None = None  # tenant -> its own token
     control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
 
 
@@ -214,6 +233,12 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
                 f"kv_events={values['kv_events']!r}"
             )
         values["kv_events"] = events
+    tenant_tokens = values["control_tenant_tokens"]
+    if tenant_tokens is not None:
+        try:
+            tenant_scopes(values["control_token"], tenant_tokens)
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config['control_tenant_tokens']: {exc}") from None
     tiers = TierConfig(
         values["cpu_bytes_to_use"],
         block_size // engine_block_size,
@@ -237,5 +262,6 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_block_size: int) 
         values["control_port"],
         values["control_host"],
         values["control_token"],
+        tenant_tokens,
         values["control_timeout_s"],
     )

@@ -68,6 +68,7 @@ class SessionSide:
                 config.control_token,
                 config.control_timeout_s,
                 self.prefix_keys,
+                config.control_tenant_tokens,
             )
 
     def directives(self, request: Request) -> SessionDirectives:
