@@ -52,6 +52,12 @@ Process hygiene, and three SGLang behaviours a test process must not inherit:
   it. Every SGLang path that would still kill the test process itself
   (``kill_process_tree`` of the caller with ``include_parent``, e.g. when the tokenizer
   manager's request loop raises) raises ``EngineChildFailed`` there instead.
+- SGLang sets uvloop's event loop policy when it is imported. uvloop runs a Python signal
+  handler inside one of its callbacks and only logs what the handler raises, so neither
+  ``EngineChildFailed`` nor pytest-timeout's failure reached a test waiting on the loop: a
+  scheduler that exited on an error during ``flush_cache()`` left the test, and the run,
+  waiting for ever. The harness's engines run on a stock asyncio loop, out of whose
+  ``run_until_complete`` such an exception propagates at once.
 - All engines of a test process share its one event loop, and an engine's tokenizer
   manager leaves its tasks (the request loop, a watchdog) on it after ``shutdown()``. Once
   its ZMQ sockets are closed, the next engine's first request ran that loop again, the old
@@ -140,6 +146,16 @@ def _guard_the_test_process() -> None:
         name = getattr(module, "__name__", "") or ""
         if name.startswith("sglang") and getattr(module, "kill_process_tree", None) is original:
             module.kill_process_tree = guarded
+
+
+def _use_a_stock_event_loop() -> None:
+    """Replaces the uvloop policy SGLang sets at import by asyncio's own (see the module
+    docstring); idempotent, and done before an engine takes the thread's loop."""
+    import sglang.srt.entrypoints.engine  # noqa: F401  (the modules that set uvloop's policy)
+    import sglang.srt.managers.tokenizer_manager  # noqa: F401
+
+    if type(asyncio.get_event_loop_policy()) is not asyncio.DefaultEventLoopPolicy:
+        asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
 
 
 def _stop_watchdog(tokenizer_manager: Any) -> None:
@@ -357,6 +373,7 @@ def start_engine(
     import sglang
 
     _guard_the_test_process()
+    _use_a_stock_event_loop()
     args: dict[str, Any] = {
         "model_path": model_path,
         "device": "cpu",

@@ -12,9 +12,11 @@ stopped, its processes checked by PID, before the next starts).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -95,6 +97,14 @@ class TestSGLangFileBackend:
             time.sleep(5)  # the handler raises at once; this is never reached
         with pytest.raises(EngineChildFailed):
             tokenizer_manager.kill_process_tree(os.getpid(), include_parent=True)
+        # and while the test waits on the engine's event loop (as in flush_cache), at once
+        waiting = engine.engine.loop.create_task(asyncio.sleep(30))
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGQUIT)).start()
+        started = time.monotonic()
+        with pytest.raises(EngineChildFailed):
+            engine.engine.loop.run_until_complete(waiting)
+        assert time.monotonic() - started < 20, "the failure waited for the loop's work to end"
+        waiting.cancel()
         assert engine.alive_children(), "the engine's processes were killed"
         assert engine.generate(prompt_of(64, 2)).prompt_tokens == 64
 
