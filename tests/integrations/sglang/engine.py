@@ -33,7 +33,7 @@ SGLang environment would patch every process of that environment, tests or not; 
 SGLang's process targets depends on private names that change between releases. The
 variables are restored when the engine shuts down.
 
-Process hygiene, and three SGLang behaviours a test process must not inherit:
+Process hygiene, and the SGLang behaviours a test process must not inherit:
 
 - SGLang 0.5.23's ``Engine.shutdown()`` SIGKILLs *every* child process of the calling
   process (``kill_process_tree(os.getpid(), include_parent=False)``), not only its own:
