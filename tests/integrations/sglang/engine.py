@@ -73,6 +73,21 @@ Process hygiene, and the SGLang behaviours a test process must not inherit:
   collected; pytest collects garbage at exit, so the run would hang there. The contexts an
   engine made are destroyed without lingering when it stops or fails to start.
 
+- SGLang hashes HiCache pages with a C++ extension (``hicache_hash_cpp``) that torch
+  compiles at its first use in a process, into ``TORCH_EXTENSIONS_DIR`` (by default one
+  folder under ``~/.cache`` for every environment, and rebuilt whenever the source's path
+  differs, as it does in each fresh clone). That first use is in a scheduler's HiCache
+  prefetch thread; ``flush_cache()`` joins that thread for only 10 s, and under load the
+  compile took longer (15 s, seen in a fresh clone's CI run beside two busy loops), so the
+  scheduler raised "Failed to stop HiCache storage threads cleanly" and exited. The harness
+  gives this environment a folder of its own (``<sys.prefix>/torch_extensions`` unless
+  ``TORCH_EXTENSIONS_DIR`` is set) and builds the extension there, in a fresh interpreter,
+  before its first engine starts; an engine's processes then only load it.
+- An engine whose process has exited answers no request: ``generate()`` and
+  ``flush_cache()`` first check that its processes are alive and raise
+  ``EngineChildFailed`` naming the dead ones, so a test after one whose engine failed fails
+  at once instead of waiting for pytest-timeout.
+
 Idle engines poll without sleeping unless ``sleep_on_idle`` is set; the harness sets it,
 so that engines kept alive by fixtures do not take the CPU from the running one.
 """
@@ -86,6 +101,7 @@ import os
 import random
 import signal
 import string
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -113,6 +129,8 @@ __all__ = [
     "file_extra_config",
     "prompt_of",
     "wait_until",
+    "build_native_hash",
+    "torch_extensions_folder",
 ]
 
 
@@ -242,6 +260,36 @@ def prompt_of(tokens: int, seed: int = 0) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(tokens))
 
 
+def torch_extensions_folder() -> Path:
+    """Where torch builds (and an engine's processes load) SGLang's C++ extensions: the
+    user's ``TORCH_EXTENSIONS_DIR``, or a folder of this environment."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
+
+
+_BUILT: set[Path] = set()
+_BUILD_NATIVE_HASH = (
+    "from sglang.srt.mem_cache.utils import get_hash_str; "
+    "assert len(get_hash_str(list(range(32)), None, page_size=16)) == 2"
+)
+
+
+def build_native_hash(timeout: float = 600.0) -> None:
+    """Builds SGLang's HiCache hash extension into ``torch_extensions_folder()`` in a fresh
+    interpreter with this process's environment (see the module docstring), once per folder
+    and process; a build that fails raises ``RuntimeError`` with its output."""
+    folder = torch_extensions_folder()
+    if folder in _BUILT:
+        return
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)}
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILD_NATIVE_HASH], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode != 0:
+        output = done.stdout + done.stderr
+        raise RuntimeError(f"building SGLang's hicache_hash_cpp in {folder} failed:\n{output}")
+    _BUILT.add(folder)
+
+
 def _omp_binding(tp_size: int) -> str:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < tp_size:
@@ -262,6 +310,7 @@ def engine_environment(tp_size: int = 1) -> Iterator[None]:
         "PYTHONPATH": os.pathsep.join(path),
         "KVOFFLOAD_SGLANG_STANDINS": "1",
         "SGLANG_USE_CPU_ENGINE": "1",
+        "TORCH_EXTENSIONS_DIR": str(torch_extensions_folder()),
     }
     if tp_size > 1:
         values["SGLANG_CPU_OMP_THREADS_BIND"] = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND") or _omp_binding(
@@ -288,7 +337,13 @@ class RunningEngine:
     _env: Any = None
     _zmq: list[Any] = field(default_factory=list)
 
+    def _require_alive(self) -> None:
+        dead = [p.pid for p in self.children if p.pid not in self.alive_children()]
+        if dead:
+            raise EngineChildFailed(f"this engine's processes {dead} have exited; it answers no request")
+
     def generate(self, prompt: str | list[int], max_new_tokens: int = 8) -> Generation:
+        self._require_alive()
         params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
         if isinstance(prompt, str):
             out = self.engine.generate(prompt=prompt, sampling_params=params)
@@ -309,13 +364,19 @@ class RunningEngine:
 
         SGLang's flush stops its storage threads and clears their queues: a backup to
         storage still queued is dropped, so wait for the writes you expect first."""
+        self._require_alive()
         result = self.engine.flush_cache()
         success = getattr(result, "success", True)
         if not success:
             raise RuntimeError(f"flush_cache failed: {result!r}")
 
     def alive_children(self) -> list[int]:
-        return [p.pid for p in self.children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        alive = []
+        for proc in self.children:
+            with suppress(psutil.NoSuchProcess):
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc.pid)
+        return alive
 
     def shutdown(self, timeout: float = 30.0) -> None:
         import sglang.srt.entrypoints.engine as engine_module
@@ -400,6 +461,7 @@ def start_engine(
     env.__enter__()
     started = time.monotonic()
     try:
+        build_native_hash()
         engine = sglang.Engine(**args)
     except BaseException:
         env.__exit__(None, None, None)

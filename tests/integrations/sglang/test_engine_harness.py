@@ -16,6 +16,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -27,11 +29,14 @@ from engine import (
     PAGE_SIZE,
     EngineChildFailed,
     RunningEngine,
+    build_native_hash,
+    engine_environment,
     file_extra_config,
     kvoffload_extra_config,
     prompt_of,
     recording_extra_config,
     start_engine,
+    torch_extensions_folder,
     wait_until,
 )
 from recording_backend import read_calls
@@ -67,6 +72,51 @@ def _flushed_prompt_from_storage(engine: RunningEngine, prompt: str, written) ->
     assert second.storage == PAGES * PAGE_SIZE, second.details
     assert second.output_ids == first.output_ids
     assert second.text == first.text
+
+
+def test_sglangs_native_hash_is_built_before_an_engine_and_its_processes_only_load_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's HiCache hash extension is compiled by the harness, not in a scheduler's
+    prefetch thread (whose 10 s join in ``flush_cache`` a compile under load outlasted);
+    a fresh interpreter with the engine's environment, as a scheduler is, loads it without
+    compiling it again."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    with engine_environment():
+        assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert torch_extensions_folder() == tmp_path
+    with engine_environment():
+        build_native_hash()
+        folder = tmp_path / "hicache_hash_cpp"
+        outputs = [folder / "hicache_hash_cpp.so", folder / "hash_binding.o"]
+        assert all(path.is_file() for path in outputs), sorted(p.name for p in tmp_path.rglob("*"))
+        built = [path.stat().st_mtime_ns for path in outputs]
+        load = (
+            "from sglang.srt.mem_cache.utils import get_hash_str; "
+            "print(get_hash_str(list(range(16)), None, 16)[0])"
+        )
+        done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.split()[-1]) == 64  # one page's SHA-256, hex
+    assert [path.stat().st_mtime_ns for path in outputs] == built, "the engine's process compiled it again"
+
+
+def test_a_request_to_an_engine_whose_process_exited_fails_at_once() -> None:
+    """After one of its processes exited (a scheduler that raised), the engine answers no
+    request: the next test fails at once, naming the process, instead of waiting."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        engine = RunningEngine(engine=None, children=[psutil.Process(child.pid)], start_seconds=0.0)
+        assert engine.alive_children() == [child.pid]
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert engine.alive_children() == []
+    with pytest.raises(EngineChildFailed, match=rf"\[{child.pid}\] have exited"):
+        engine.generate("a prompt")
+    with pytest.raises(EngineChildFailed, match=rf"\[{child.pid}\] have exited"):
+        engine.flush_cache()
 
 
 @pytest.fixture(scope="class")
