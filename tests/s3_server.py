@@ -4,9 +4,10 @@ with a fresh data folder, stopped by its own PID.
 
 ``S3Server(tmp_path, volume_mb=None, max_volumes=None)``: ``start()`` (also after
 ``kill()``: the same ports and data folder again, so acknowledged objects are served
-again), ``kill()`` (SIGKILL), ``restart()``, ``freeze()``/``thaw()`` (SIGSTOP/SIGCONT),
-``stop()`` (SIGTERM, then SIGKILL after ``STOP_S``: after the store was full SeaweedFS has
-been seen to hang on SIGTERM for minutes), ``endpoint``, ``bucket``, ``tier_config(**extra)``
+again), ``kill()`` (SIGKILL), ``restart()``, ``freeze()``/``thaw()`` (SIGSTOP/SIGCONT,
+each waiting for every thread), ``stop()`` (SIGTERM, then SIGKILL after ``STOP_S``: after
+the store was full SeaweedFS has been seen to hang on SIGTERM for minutes), ``endpoint``,
+``bucket``, ``tier_config(**extra)``
 (a ``secondary_tiers`` entry for this bucket), ``client(identity="writer")`` (a raw obstore
 client), ``listeners()`` (the process's listening sockets, from psutil). ``volume_mb`` and
 ``max_volumes`` bound the store (SeaweedFS then answers puts with 500 when full).
@@ -202,10 +203,39 @@ class S3Server:
         return self.start()
 
     def freeze(self) -> None:
+        """SIGSTOP the server; returns once every one of its threads is stopped. (``kill``
+        returns before they are: a thread stops only when it next runs, and a PUT sent at
+        once was seen answered in 3 ms by a server \"frozen\" so.)"""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        self._wait_for_threads(stopped=True)
 
     def thaw(self) -> None:
+        """SIGCONT the server; returns once none of its threads is stopped."""
         os.kill(self.proc.pid, signal.SIGCONT)
+        self._wait_for_threads(stopped=False)
+
+    def thread_states(self) -> list[str]:
+        """The state letter (``/proc/PID/task/TID/stat``: ``T`` stopped, ``S`` sleeping, ...)
+        of each of the server's threads."""
+        states = []
+        for stat in glob.glob(f"/proc/{self.proc.pid}/task/*/stat"):
+            with contextlib.suppress(OSError):  # a thread that ended
+                text = Path(stat).read_text()
+                states.append(text[text.rindex(")") + 2])
+        return states
+
+    def _wait_for_threads(self, *, stopped: bool, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.thread_states()
+            if states and all((state == "T") is stopped for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"weed (pid {self.proc.pid}) threads not {'stopped' if stopped else 'running'} "
+                    f"after {timeout} s: {states}"
+                )
+            time.sleep(0.001)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

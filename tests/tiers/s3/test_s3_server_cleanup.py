@@ -1,7 +1,8 @@
 """The test helper's promises: a ``weed mini`` a test started is stopped by its PID even
 when the test fails before stopping it (``conftest.py`` calls ``stop_leftovers`` after
 every test), every socket it listens on is bound to 127.0.0.1, anonymous requests are
-refused, and a SIGKILLed server restarted on its folder serves what it acknowledged."""
+refused, a SIGKILLed server restarted on its folder serves what it acknowledged, and
+``freeze()`` returns only once the server is stopped."""
 
 from __future__ import annotations
 
@@ -59,3 +60,17 @@ def test_a_killed_server_restarted_on_its_folder_serves_what_it_acknowledged(tmp
     for i in range(20):
         assert bytes(obstore.get(server.client(), f"kept/{i}").bytes()) == bytes([i]) * 1000
     server.stop()
+
+
+def test_freeze_returns_only_once_every_thread_is_stopped_and_thaw_once_none_is(s3_server):
+    """``kill(SIGSTOP)`` returns before the threads stop (each stops when it next runs):
+    a test that sent a request right after it was answered by the "frozen" server. So
+    ``freeze()`` waits for every thread, checked here at once, over many cycles."""
+    for _ in range(30):
+        s3_server.freeze()
+        states = s3_server.thread_states()
+        assert len(states) > 1 and set(states) == {"T"}, states
+        s3_server.thaw()
+        assert "T" not in s3_server.thread_states()
+    obstore.put(s3_server.client(), "after-thaw", b"x" * 100)  # it serves again
+    assert bytes(obstore.get(s3_server.client(), "after-thaw").bytes()) == b"x" * 100
