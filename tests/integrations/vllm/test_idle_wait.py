@@ -4,6 +4,8 @@ steps holding the GIL); in a step with one, it never waits; stores are never wai
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 
 import pytest
@@ -41,8 +43,11 @@ def store(job_id: int, req: str) -> TransferJob:
     return TransferJob(job_id, req, True, DeviceLoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([job_id]))
 
 
-def side_with(make, delay: float, **extra) -> WorkerSide:
-    side = make(None, None, config(**extra))
+def side_with(make, idle_wait_s: float, delay: float | None = None) -> WorkerSide:
+    """A worker half whose jobs finish only when released (``delay=None``). ``idle_wait_s``
+    may exceed the key's 0.1 s limit here: a long bound tells "waited for the job" from
+    "waited for the bound" by far more than a loaded machine's scheduling delays."""
+    side = make(None, None, dataclasses.replace(config(), idle_wait_s=idle_wait_s))
     side.worker = LateWorker(delay)
     return side
 
@@ -53,39 +58,57 @@ def timed(call):
     return result, time.perf_counter() - start
 
 
+LONG = 30.0  # a bound no passing test waits for
+
+
+def release_once_waited_for(worker: LateWorker, job_id: int) -> threading.Thread:
+    """Finishes the job only after the worker half has begun to wait for it, so that a
+    report in the same step can only come from having waited."""
+    thread = threading.Thread(target=lambda: worker.waiting.wait(LONG) and worker.release(job_id))
+    thread.start()
+    return thread
+
+
 def test_an_idle_step_waits_for_a_load_and_reports_it_at_once(worker_side):
-    side = side_with(worker_side, 0.02, idle_wait_s=0.1)
+    side = side_with(worker_side, LONG)
     side.start_loads(StepPlan(loads=[load(1, "a")]))
-    (sending, recving), seconds = timed(lambda: side.get_finished(idle=True))
-    assert recving == {"a"} and 0.015 < seconds < 0.09  # waited for it, not for the bound
+    releaser = release_once_waited_for(side.worker, 1)
+    (_, recving), seconds = timed(lambda: side.get_finished(idle=True))
+    releaser.join()
+    assert side.worker.waits == [([1], LONG)]
+    assert recving == {"a"} and seconds < LONG / 2  # waited for the load, not for the bound
 
 
 def test_a_step_with_a_forward_pass_never_waits(worker_side):
-    side = side_with(worker_side, 0.05, idle_wait_s=0.1)
+    side = side_with(worker_side, LONG)
     side.start_loads(StepPlan(loads=[load(1, "a")]))
     (_, recving), seconds = timed(lambda: side.get_finished(idle=False))
-    assert recving == set() and seconds < 0.02
-    side.worker.wait([1], 5)
+    assert recving == set() and side.worker.waits == [] and seconds < LONG / 2
+    side.worker.release(1)
     assert side.get_finished()[1] == {"a"}  # reported by a later step
 
 
 def test_the_wait_is_bounded_and_stores_are_not_waited_for(worker_side):
-    side = side_with(worker_side, 0.3, idle_wait_s=0.01)
+    side = side_with(worker_side, 0.01)
     side.start_loads(StepPlan(loads=[load(1, "a")]))
     (_, recving), seconds = timed(lambda: side.get_finished(idle=True))
-    assert recving == set() and 0.008 < seconds < 0.1  # the bound, then on; nothing raised
-    side.worker.wait([1], 5)
-    side.get_finished()
+    assert recving == set() and side.worker.waits == [([1], 0.01)]  # the bound, then on
+    assert 0.01 <= seconds < LONG / 2  # nothing raised
+    side.worker.release(1)
+    assert side.get_finished()[1] == {"a"}
+    side = side_with(worker_side, LONG)
     side.start_stores(StepPlan(stores=[store(2, "b")]))
     _, seconds = timed(lambda: side.get_finished(idle=True))
-    assert seconds < 0.008
+    assert side.worker.waits == [] and seconds < LONG / 2
+    side.worker.release(2)
 
 
 def test_zero_turns_it_off(worker_side):
-    side = side_with(worker_side, 0.05, idle_wait_s=0)
+    side = side_with(worker_side, 0)
     side.start_loads(StepPlan(loads=[load(1, "a")]))
     (_, recving), seconds = timed(lambda: side.get_finished(idle=True))
-    assert recving == set() and seconds < 0.02
+    assert recving == set() and side.worker.waits == [] and seconds < LONG / 2
+    side.worker.release(1)
 
 
 def test_the_scheduler_marks_steps_without_tokens_and_the_connector_passes_it_on():
