@@ -49,9 +49,10 @@ import pytest
 from redis_server import free_port
 
 _BIN = Path(sys.executable).parent / "weed"
-READY_S = 30.0
+READY_S = 60.0
 STOP_S = 5.0
 BUCKET = "kvoffload-test"
+READY_PROBE = "ready/probe"  # written and deleted by start(): outside every tier's prefix
 _PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc", "admin",
           "admin_grpc")  # fmt: skip
 
@@ -161,7 +162,7 @@ class S3Server:
         client = self.client()
         deadline = time.monotonic() + READY_S
         while time.monotonic() < deadline and self.proc.poll() is None:
-            if self._volume_server_joined() and self._bucket_answers(client):
+            if self._volume_server_joined() and self._bucket_answers(client) and self._writes_answer(client):
                 return self
             time.sleep(0.1)
         self.stop()
@@ -190,6 +191,19 @@ class S3Server:
             next(iter(obstore.list(client, prefix="ready", chunk_size=1)), None)
             return True
         except Exception:  # noqa: BLE001 - not up yet
+            return False
+
+    @staticmethod
+    def _writes_answer(client) -> bool:
+        """Whether a put is answered (a restarted server lists and reads at once, but its
+        first puts were seen to hang for 5 s and more while it was not yet taking writes)."""
+        import obstore
+
+        try:
+            obstore.put(client, READY_PROBE, b"ready")
+            obstore.delete(client, READY_PROBE)
+            return True
+        except Exception:  # noqa: BLE001 - not taking writes yet
             return False
 
     def kill(self) -> None:
