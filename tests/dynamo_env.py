@@ -27,13 +27,14 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from free_ports import free_port
 
 DYNAMO_VERSION = "1.6.1"
 DYNAMO_REQUIREMENT = f"ai-dynamo-runtime=={DYNAMO_VERSION}"
@@ -157,12 +158,6 @@ def dynamo_block_hashes(python: Path, tokens: list[int], block_size: int) -> lis
     if out.returncode != 0:
         raise RuntimeError(f"Dynamo's compute_block_hash_for_seq failed: {_tail(out.stderr)}")
     return json.loads(out.stdout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_call(base_url: str, path: str, body: object = None) -> tuple[int, object]:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from redis_server import free_port
+from free_ports import free_port
 
 _BIN = Path(sys.executable).parent
 _READY_S = 20.0
@@ -228,14 +228,21 @@ class MooncakeServer:
         while time.monotonic() < deadline:
             if ready():
                 return
-            if any(
-                proc is not None and proc.poll() is not None for proc in (self.master, self.holder, self.meta)
-            ):
+            exited = [
+                f"{name} exited with {proc.returncode}"
+                for name, proc in (("mooncake_master", self.master), ("the holder", self.holder),
+                                   ("the metadata server", self.meta))
+                if proc is not None and proc.poll() is not None
+            ]  # fmt: skip
+            if exited:
                 break
             time.sleep(0.05)
+        else:
+            exited = [f"not within {_READY_S:.0f} s"]
         self.stop()
         raise RuntimeError(
-            f"{what} did not come up for the store on 127.0.0.1:{self.port} (logs in {self.dir})"
+            f"{what} did not come up for the store on 127.0.0.1:{self.port}: {', '.join(exited)}"
+            f" (logs in {self.dir})"
         )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import shutil
 import signal
 import socket
@@ -23,26 +22,9 @@ import time
 
 import pytest
 
+from free_ports import free_port
+
 EVENTS = "Egxe"
-
-
-def free_port(with_bus: bool = False) -> int:
-    """A free loopback port; ``with_bus``: also port + 10000 (a cluster node's bus port)."""
-    if not with_bus:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 40000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
 
 
 def require_redis_server() -> str:

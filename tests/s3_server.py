@@ -46,7 +46,7 @@ from pathlib import Path
 
 import pytest
 
-from redis_server import free_port
+from free_ports import free_port
 
 _BIN = Path(sys.executable).parent / "weed"
 READY_S = 60.0

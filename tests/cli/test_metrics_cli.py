@@ -5,7 +5,6 @@ prints the same lines on exit; a publisher's counters through ``PublisherSource`
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import urllib.request
@@ -13,17 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from free_ports import free_port
 from kvoffload import metrics
 from kvoffload.cli import main
 from kvoffload.events import BlockStored, ZmqEventPublisher
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape_lines(port: int) -> list[str]:

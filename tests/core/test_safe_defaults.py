@@ -22,12 +22,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from free_ports import free_port
 from kvoffload.events.publisher import ZmqEventPublisher
 from kvoffload.index import BlockIndex, IndexServer, IndexService, TierWeights
 from kvoffload.metrics import serve as serve_metrics
 from kvoffload.tiers.fs.format import DATA_FILE, HEADER_FILE, INFO_FILE, LOCK_FILE
 from kvoffload.tiers.secondary import TierContext, parse_secondary_tiers
-from redis_server import RedisServer, free_port
+from redis_server import RedisServer
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "kvoffload"
 pytestmark = pytest.mark.timeout(120)

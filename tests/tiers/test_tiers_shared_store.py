@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 
+from free_ports import free_port
 from kvoffload.manager import LookupResult
 from kvoffload.tiers.redis.format import value_bytes
 from kvoffload.tiers.secondary import TierContext, parse_secondary_tiers
 from redis_replica import IDENTITY, Replica, k
-from redis_server import free_port, redis_server  # noqa: F401 - fixture
+from redis_server import redis_server  # noqa: F401 - fixture
 from transfer_oracle import make_pool
 
 

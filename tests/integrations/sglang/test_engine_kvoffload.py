@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from engine import PAGE_SIZE, RunningEngine, kvoffload_extra_config, prompt_of, start_engine, wait_until
 
-from redis_server import RedisServer, free_port
+from free_ports import free_port
+from redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ pytest.importorskip("vllm")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from free_ports import free_port  # noqa: E402
 from kvoffload.demo.offline import kv_block_bytes, kv_transfer_config, word_text  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -28,12 +28,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPT = 2000  # tokens (one character each): 62 full blocks of 32
 BLOCKS = 62
 DEVICE_BLOCKS = 100  # the engine's own cache: one prompt and a half
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(port: int, path: str, body: dict) -> dict:

@@ -15,8 +15,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from test_vllm_server import free_port, wait_ready  # noqa: E402
+from test_vllm_server import wait_ready  # noqa: E402
 
+from free_ports import free_port  # noqa: E402
 from json_http import call  # noqa: E402
 from kvoffload.demo.offline import kv_block_bytes, kv_transfer_config, word_text  # noqa: E402
 

@@ -6,6 +6,9 @@ for the master and the metadata server is on 127.0.0.1."""
 from __future__ import annotations
 
 import os
+import socket
+
+import pytest
 
 from mooncake_server import MooncakeServer, stop_leftovers
 
@@ -55,3 +58,11 @@ def test_the_master_and_metadata_server_listen_on_loopback_only(tmp_path):
     assert set(listening) == ports
     assert all(address == "0100007F" for address in listening.values()), listening  # 127.0.0.1
     assert os.path.exists(tmp_path / "master.log")
+
+
+def test_a_master_whose_port_is_taken_fails_the_start_naming_its_exit_and_leaves_nothing_running(tmp_path):
+    server = MooncakeServer(tmp_path, segment=16 << 20)
+    taken = socket.create_server(("127.0.0.1", server.port))  # what a loaded CI run once met
+    with taken, pytest.raises(RuntimeError, match=r"mooncake_master exited with \d+"):
+        server.start()
+    assert server.pids() == [] and stop_leftovers() == []

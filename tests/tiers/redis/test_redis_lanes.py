@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+from free_ports import free_port
 from kvoffload.keys import make_offload_key
 from kvoffload.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
 from kvoffload.tiers.redis import lanes
@@ -28,7 +29,7 @@ from kvoffload.tiers.redis.client import ServerSettings, connect
 from kvoffload.tiers.redis.format import KeyNames
 from kvoffload.tiers.redis.worker import RedisWorker
 from kvoffload.transfer import HostBlockPool, KVLayout
-from redis_server import free_port, redis_server  # noqa: F401 - fixture
+from redis_server import redis_server  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.skipif(not lanes.AVAILABLE, reason="kvoffload.tiers.redis._pipelines not built")
 NAMES = KeyNames("kvoffload", "kvr-lanes")

@@ -279,7 +279,8 @@ def test_a_tls_url(tmp_path):
     import shutil
     import subprocess
 
-    from redis_server import free_port, require_redis_server
+    from free_ports import free_port
+    from redis_server import require_redis_server
 
     openssl = shutil.which("openssl")
     if openssl is None:
